@@ -1,0 +1,537 @@
+"""`hf-ssd bench`: AR, transformers assisted generation and SSD compared in one run on the same prompts.
+
+Methods (all through `target.generate`, timed as the wall time of each call, tok/s = new tokens / seconds):
+- `ar`: the target alone.
+- `assisted`: transformers assisted generation with the draft's own generation defaults.
+- `assisted_g{g}`: assisted generation tuned like SD in the paper: num_assistant_tokens=g, no confidence early
+  exit (assistant_confidence_threshold=0), constant schedule.
+- `ssd_g{g}`: SSD with `layout="auto"`; `ssd_g{g}_inline`: the same with `layout="inline"` (no overlap), whose
+  ratio to `ssd_g{g}` is the effect of the layout alone.
+
+Greedy outputs of every method must be token-identical to `ar`; this is checked with the project's `evaluate`
+metric (`hf_ssd/metrics/ssd_match.py`, loaded from the local file) and a mismatch is reported loudly.
+
+Predicted speedup (the paper's timing model, fed with this run's own measurements). Per round, SD costs
+T_draft(gamma) + T_verify; SSD costs max(T_v, T_s) on a cache hit (speculation overlapped with verification)
+and T_fb + T_v on a miss (fallback draft on the critical path). With E = mean accepted + 1 tokens per round:
+
+    predicted SSD speedup over AR = E / (h * max(T_v, T_s) + (1 - h) * (T_fb + T_v)) * T_ar_token
+
+h = measured cache hit rate, T_v = mean verify time per round (candidates returned -> outcome known),
+T_s = mean speculation job time, T_fb = mean fallback draft time, T_ar_token = AR seconds per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import SSDConfig
+from .integration import enable, last_stats
+from .prompts import encode_prompt, extract_number, load_prompts
+from .timeline import Intervals, record_intervals
+
+METRIC_PATH = str(Path(__file__).with_name("metrics") / "ssd_match.py")
+FORMULA = (
+    "predicted SSD speedup over AR = E / (h·max(T_v, T_s) + (1−h)·(T_fb + T_v)) · T_ar_token, with E = mean accepted "
+    "tokens per round + 1, h = cache hit rate, T_v = mean verify time per round, T_s = mean speculation job time, "
+    "T_fb = mean fallback draft time, T_ar_token = AR seconds per token, all measured in this run (paper's model: "
+    "an SD round costs T_draft(γ) + T_verify; an SSD round costs max(T_v, T_s) on a hit, T_fb + T_v on a miss)"
+)
+SAMPLE_TEMPERATURE = 0.7
+
+
+def load_metric():
+    """The project's exact-match metric, from the file shipped in the package (never from the Hub)."""
+    import evaluate
+
+    return evaluate.load(METRIC_PATH)
+
+
+# ----------------------------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # "ar" | "assisted" | "assisted_tuned" | "ssd"
+    gamma: int | None = None
+    layout: str | None = None
+
+
+def bench_methods(gammas: list[int], inline_gamma: int | None = None) -> list[Method]:
+    methods = [Method("ar", "ar"), Method("assisted", "assisted")]
+    methods += [Method(f"assisted_g{g}", "assisted_tuned", g) for g in gammas]
+    methods += [Method(f"ssd_g{g}", "ssd", g, "auto") for g in gammas]
+    if inline_gamma is None:
+        inline_gamma = 4 if 4 in gammas else gammas[len(gammas) // 2]
+    methods.append(Method(f"ssd_g{inline_gamma}_inline", "ssd", inline_gamma, "inline"))
+    return methods
+
+
+@contextlib.contextmanager
+def assistant_settings(draft, **values):
+    """Set fields of the draft's generation config (read by assisted generation) for the block only."""
+    gc = draft.generation_config
+    before = {k: getattr(gc, k, None) for k in values}
+    for k, v in values.items():
+        setattr(gc, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(gc, k, v)
+
+
+@dataclass
+class CallResult:
+    tokens: list[int]
+    seconds: float
+    stats: object = None  # SSDStats for SSD calls
+    intervals: Intervals | None = None
+
+
+class Runner:
+    """Runs one method on one prompt; everything else (models, SSD options) is fixed for the whole bench."""
+
+    def __init__(self, target, draft, ssd_options: dict | None = None):
+        self.target = enable(target)
+        self.draft = draft
+        self.ssd_options = dict(ssd_options or {})
+        self.device = target.device
+        self.eos = target.generation_config.eos_token_id
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def call(self, method: Method, ids: list[int], max_new_tokens: int, do_sample: bool, seed: int) -> CallResult:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
+                  "attention_mask": torch.ones_like(input_ids)}
+        if do_sample:
+            kwargs["temperature"] = SAMPLE_TEMPERATURE
+        settings = contextlib.nullcontext()
+        recorder = contextlib.nullcontext()
+        if method.kind != "ar":
+            kwargs["assistant_model"] = self.draft
+        if method.kind == "assisted_tuned":
+            settings = assistant_settings(self.draft, num_assistant_tokens=method.gamma,
+                                          assistant_confidence_threshold=0.0,
+                                          num_assistant_tokens_schedule="constant")
+        elif method.kind == "ssd":
+            options = {**self.ssd_options, "gamma": method.gamma, "layout": method.layout,
+                       "record_timeline": True, "hit_rate_warning": 0.0}
+            kwargs["ssd_config"] = SSDConfig(**options)
+            recorder = record_intervals(self.target)
+        torch.manual_seed(seed)  # same seed for every method: sampled runs differ only by the method
+        with settings, recorder as rec, torch.inference_mode():
+            self._sync()
+            start = time.perf_counter()
+            out = self.target.generate(input_ids, **kwargs)
+            self._sync()
+            seconds = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        if method.kind != "ssd":
+            return CallResult(tokens, seconds)
+        return CallResult(tokens, seconds, last_stats(self.target), rec.intervals)
+
+
+# ----------------------------------------------------------------------------------------------- aggregation
+
+
+@dataclass
+class MethodRun:
+    """All calls of one method on one dataset in one decoding mode."""
+
+    method: Method
+    tokens: list[list[int]] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    stats: list = field(default_factory=list)
+    intervals: list = field(default_factory=list)
+
+    def add(self, r: CallResult) -> None:
+        self.tokens.append(r.tokens)
+        self.seconds.append(r.seconds)
+        if r.stats is not None:
+            self.stats.append(r.stats)
+            self.intervals.append(r.intervals or Intervals())
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def ssd_numbers(self) -> dict:
+        """Acceptance, hit rate, bubble ratio and the timing terms of the paper's model, over all prompts."""
+        if not self.stats:
+            return {}
+        s = self.stats
+
+        def total(name):
+            return sum(getattr(x, name) for x in s)
+
+        def mean(values):
+            return sum(values) / len(values) if values else 0.0
+
+        rounds, proposed, accepted = total("rounds"), total("proposed_tokens"), total("accepted_tokens")
+        hits, misses, wall, overlap = total("cache_hits"), total("cache_misses"), total("wall_time"), total("overlap_time")
+        t_verify = [e["t_verified"] - e["t_return"] for x in s for e in x.timeline if "t_verified" in e]
+        t_spec = [b - a for iv in self.intervals for a, b in iv.speculate]
+        t_fb = [b - a for iv in self.intervals for a, b in iv.fallback]
+        return {
+            "rounds": rounds,
+            "proposed_tokens": proposed,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted": accepted / rounds if rounds else 0.0,
+            "cache_hits": hits,
+            "cache_misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "bubble_ratio": 1.0 - overlap / wall if wall > 0 else 0.0,
+            "T_v": mean(t_verify),
+            "T_s": mean(t_spec),
+            "T_fb": mean(t_fb),
+            "layout_resolved": s[0].layout,
+        }
+
+
+def predicted_speedups(ssd: dict, t_ar_token: float) -> tuple[float | None, float | None]:
+    """(SSD, SD) speedups over AR predicted by the paper's model from measured terms (see module docstring)."""
+    if not ssd or ssd.get("rounds", 0) == 0 or t_ar_token <= 0:
+        return None, None
+    e = ssd["mean_accepted"] + 1
+    h, t_v, t_s, t_fb = ssd["hit_rate"], ssd["T_v"], ssd["T_s"], ssd["T_fb"]
+    ssd_round = h * max(t_v, t_s) + (1 - h) * (t_fb + t_v)
+    sd_round = t_fb + t_v  # with the "sd" fallback, a miss drafts gamma tokens like plain SD does
+    return (e / ssd_round * t_ar_token if ssd_round > 0 else None, e / sd_round * t_ar_token if sd_round > 0 else None)
+
+
+# ----------------------------------------------------------------------------------------------- the bench
+
+
+def environment(target, draft, device, dtype) -> dict:
+    env = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "dtype": str(dtype),
+        "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+        "draft": getattr(draft.config, "_name_or_path", "") or type(draft).__name__,
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    import transformers
+
+    from . import __version__
+
+    env["transformers"] = transformers.__version__
+    env["hf_ssd"] = __version__
+    return env
+
+
+def run_bench(
+    target,
+    draft,
+    tokenizer,
+    datasets: list[str],
+    out_dir: str | Path,
+    num_prompts: int = 10,
+    max_new_tokens: int = 128,
+    modes: tuple[str, ...] = ("greedy", "sample"),
+    gammas: tuple[int, ...] = (2, 4, 6),
+    ssd_options: dict | None = None,
+    seed: int = 0,
+    chat: str = "auto",
+    max_prompt_tokens: int | None = None,
+    warmup_tokens: int = 8,
+    progress: bool = True,
+) -> dict:
+    """Run every method on every (dataset, mode), write results.json, results.md and plots into `out_dir`."""
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runner = Runner(target, draft, ssd_options)
+    methods = bench_methods(list(gammas))
+    metric = load_metric()
+    sets = []
+    for spec in datasets:
+        name, ds = load_prompts(spec, num_prompts, seed=seed + 42)
+        encoded = []
+        for row in ds:
+            ids = encode_prompt(row["prompt"], row["kind"], tokenizer, chat)
+            encoded.append(ids[-max_prompt_tokens:] if max_prompt_tokens else ids)
+        sets.append((name, ds, encoded))
+
+    rows, greedy_check, accuracy = [], {}, {}
+    for name, ds, encoded in sets:
+        for mode in modes:
+            do_sample = mode == "sample"
+            runs: dict[str, MethodRun] = {}
+            bar = tqdm(total=len(methods) * len(encoded), desc=f"{name}/{mode}", disable=not progress, leave=False)
+            for method in methods:
+                runner.call(method, encoded[0], min(warmup_tokens, max_new_tokens), do_sample, seed)  # warm-up
+                run = runs[method.name] = MethodRun(method)
+                for i, ids in enumerate(encoded):
+                    run.add(runner.call(method, ids, max_new_tokens, do_sample, seed + i))
+                    bar.update(1)
+            bar.close()
+            rows += summarize(name, mode, runs)
+            if mode == "greedy":
+                greedy_check[name] = check_identical(metric, runs)
+            if tokenizer is not None and any(k == "math" for k in ds["kind"]):
+                accuracy.setdefault(name, {})[mode] = answer_accuracy(metric, runs, ds, tokenizer)
+
+    mismatched = {d: [m for m, r in c.items() if r["num_mismatches"]] for d, c in greedy_check.items()}
+    mismatched = {d: ms for d, ms in mismatched.items() if ms}
+    results = {
+        "environment": environment(target, draft, runner.device, next(target.parameters()).dtype),
+        "settings": {
+            "datasets": [s[0] for s in sets], "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+            "modes": list(modes), "gammas": list(gammas), "sample_temperature": SAMPLE_TEMPERATURE, "seed": seed,
+            "chat": chat, "max_prompt_tokens": max_prompt_tokens, "ssd_options": dict(ssd_options or {}),
+            "methods": [m.__dict__ for m in methods],
+        },
+        "results": rows,
+        "greedy_check": greedy_check,
+        "greedy_identical": not mismatched,
+        "greedy_mismatches": mismatched,
+        "gsm_accuracy": accuracy,
+        "layout_effect": layout_effect(rows),
+        "formula": FORMULA,
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+    markdown = render_markdown(results)
+    (out_dir / "results.md").write_text(markdown, encoding="utf-8")
+    results["plots"] = write_plots(results, out_dir)
+    if mismatched:
+        banner = "!" * 78
+        print(f"{banner}\nGREEDY MISMATCH: these methods did not reproduce the target's greedy output: "
+              f"{mismatched}\n{banner}", file=sys.stderr)
+    return results
+
+
+def summarize(dataset: str, mode: str, runs: dict[str, MethodRun]) -> list[dict]:
+    ar = runs["ar"]
+    ar_tps = ar.tokens_per_second
+    t_ar_token = ar.total_seconds / ar.new_tokens if ar.new_tokens else 0.0
+    best_assisted = max((r.tokens_per_second for r in runs.values() if r.method.kind.startswith("assisted")), default=0.0)
+    rows = []
+    for name, run in runs.items():
+        m = run.method
+        row = {
+            "dataset": dataset, "mode": mode, "method": name, "kind": m.kind, "gamma": m.gamma, "layout": m.layout,
+            "prompts": len(run.tokens), "new_tokens": run.new_tokens, "seconds": run.total_seconds,
+            "tokens_per_second": run.tokens_per_second,
+            "speedup_vs_ar": run.tokens_per_second / ar_tps if ar_tps else None,
+            "speedup_vs_best_assisted": run.tokens_per_second / best_assisted if best_assisted else None,
+            "per_prompt": [{"new_tokens": len(t), "seconds": s} for t, s in zip(run.tokens, run.seconds)],
+        }
+        if m.kind == "ssd":
+            ssd = run.ssd_numbers()
+            row.update(ssd)
+            pred_ssd, pred_sd = predicted_speedups(ssd, t_ar_token)
+            # The model assumes overlap; for the inline layout it is reported for reference only.
+            row["predicted_speedup"] = pred_ssd
+            row["predicted_sd_speedup"] = pred_sd
+        rows.append(row)
+    return rows
+
+
+def check_identical(metric, runs: dict[str, MethodRun]) -> dict:
+    """Per method: the ssd_match metric of its greedy outputs against the target alone (`ar`)."""
+    reference = runs["ar"].tokens
+    return {
+        name: metric.compute(predictions=run.tokens, references=reference)
+        for name, run in runs.items()
+        if name != "ar" and reference
+    }
+
+
+def answer_accuracy(metric, runs: dict[str, MethodRun], ds, tokenizer) -> dict:
+    """GSM exact match: final number of each method's answer vs the reference's final number."""
+    refs = [extract_number(r) for r in ds["reference"]]
+    out = {}
+    for name, run in runs.items():
+        preds = [extract_number(tokenizer.decode(t, skip_special_tokens=True)) for t in run.tokens]
+        if preds:
+            out[name] = metric.compute(predictions=preds, references=refs)["exact_match"]
+    return out
+
+
+def layout_effect(rows: list[dict]) -> list[dict]:
+    """tok/s of SSD with the auto layout over the same SSD inline (no overlap): the gain from overlap alone."""
+    effects = []
+    for r in rows:
+        if r["kind"] == "ssd" and r["layout"] == "inline":
+            auto = next((a for a in rows if a["kind"] == "ssd" and a["layout"] == "auto" and a["gamma"] == r["gamma"]
+                         and a["dataset"] == r["dataset"] and a["mode"] == r["mode"]), None)
+            if auto is not None and r["tokens_per_second"] > 0:
+                effects.append({"dataset": r["dataset"], "mode": r["mode"], "gamma": r["gamma"],
+                                "layout": auto.get("layout_resolved", "auto"),
+                                "ratio": auto["tokens_per_second"] / r["tokens_per_second"]})
+    return effects
+
+
+# ----------------------------------------------------------------------------------------------- reports
+
+
+def _f(value, fmt: str = "{:.2f}", none: str = "—") -> str:
+    return none if value is None else fmt.format(value)
+
+
+def render_markdown(results: dict) -> str:
+    env, st = results["environment"], results["settings"]
+    lines = [
+        "# hf-ssd benchmark",
+        "",
+        f"target `{env['target']}` · draft `{env['draft']}` · {env['device']} {env['dtype']} · "
+        f"{env['torch_threads']} torch threads · torch {env['torch']} · transformers {env['transformers']} · "
+        f"{env['machine']} ({env['cpu_count']} CPUs){' · ' + env['cuda_device'] if env.get('cuda_device') else ''}",
+        f"{st['num_prompts']} prompts per dataset · max_new_tokens {st['max_new_tokens']} · "
+        f"sampling at T={st['sample_temperature']} with fixed seeds · {env['date']}",
+        "",
+    ]
+    header = ("| method | tok/s | speedup vs AR | speedup vs best assisted | acceptance | hit rate | bubble ratio "
+              "| predicted speedup¹ |")
+    for dataset in st["datasets"]:
+        for mode in st["modes"]:
+            rows = [r for r in results["results"] if r["dataset"] == dataset and r["mode"] == mode]
+            if not rows:
+                continue
+            lines += [f"## {dataset} · {mode}", "", header, "|" + "---|" * 8]
+            for r in rows:
+                pct = "{:.1%}"
+                lines.append(
+                    f"| {r['method']} | {_f(r['tokens_per_second'])} | {_f(r['speedup_vs_ar'], '{:.2f}×')} | "
+                    f"{_f(r['speedup_vs_best_assisted'], '{:.2f}×')} | {_f(r.get('acceptance_rate'), pct)} | "
+                    f"{_f(r.get('hit_rate'), pct)} | {_f(r.get('bubble_ratio'), pct)} | "
+                    f"{_f(r.get('predicted_speedup'), '{:.2f}×')} |"
+                )
+            lines.append("")
+    lines += ["## Greedy losslessness (token-identical to the target alone)", ""]
+    for dataset, checks in results["greedy_check"].items():
+        bad = {m: c for m, c in checks.items() if c["num_mismatches"]}
+        if bad:
+            for m, c in bad.items():
+                lines.append(f"- **MISMATCH** {dataset} · {m}: {c['num_mismatches']} prompt(s) differ "
+                             f"(indices {c['mismatch_indices']}, first divergence at tokens "
+                             f"{[f for f in c['first_divergence'] if f >= 0]})")
+        else:
+            lines.append(f"- {dataset}: all {len(checks)} methods token-identical to AR ✔")
+    if not results["greedy_check"]:
+        lines.append("- (no greedy mode in this run)")
+    lines.append("")
+    if results["gsm_accuracy"]:
+        names = list(dict.fromkeys(n for by_mode in results["gsm_accuracy"].values()
+                                   for acc in by_mode.values() for n in acc))
+        lines += ["## Final-answer exact match (numeric)", "", "| dataset | mode | " + " | ".join(names) + " |",
+                  "|" + "---|" * (len(names) + 2)]
+        for dataset, by_mode in results["gsm_accuracy"].items():
+            for mode, acc in by_mode.items():
+                lines.append(f"| {dataset} | {mode} | " + " | ".join(_f(acc.get(n), "{:.1%}") for n in names) + " |")
+        lines.append("")
+    if results["layout_effect"]:
+        lines += ["## Layout effect (SSD auto layout over SSD inline, same gamma)", ""]
+        for e in results["layout_effect"]:
+            lines.append(f"- {e['dataset']} · {e['mode']} · gamma {e['gamma']}: {e['layout']} / inline = {e['ratio']:.2f}×")
+        lines.append("")
+    lines += [f"¹ {results['formula']}. Shown for every SSD row; it assumes overlap, so for the inline row it is "
+              "an upper bound, not a prediction.", ""]
+    return "\n".join(lines)
+
+
+def write_plots(results: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["results"]
+    groups = [(d, m) for d in results["settings"]["datasets"] for m in results["settings"]["modes"]]
+    groups = [g for g in groups if any(r["dataset"] == g[0] and r["mode"] == g[1] for r in rows)]
+    paths = []
+
+    # 1. tok/s by method, one bar per (dataset, mode).
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(methods) * max(1, len(groups)) / 2), 4))
+    width = 0.8 / max(1, len(groups))
+    for gi, (d, m) in enumerate(groups):
+        by = {r["method"]: r["tokens_per_second"] for r in rows if r["dataset"] == d and r["mode"] == m}
+        ax.bar([i + gi * width for i in range(len(methods))], [by.get(x, 0) for x in methods], width, label=f"{d} · {m}")
+    ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(methods))], methods, rotation=30, ha="right")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Throughput by method")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "tok_s.png"))
+
+    # 2. SSD hit rate and acceptance by dataset.
+    ssd_methods = [x for x in methods if any(r["method"] == x and r["kind"] == "ssd" for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    width = 0.8 / max(1, len(ssd_methods))
+    for ax, key, title in ((axes[0], "hit_rate", "cache hit rate"), (axes[1], "acceptance_rate", "acceptance rate")):
+        for mi, name in enumerate(ssd_methods):
+            by = {(r["dataset"], r["mode"]): r.get(key, 0) for r in rows if r["method"] == name}
+            ax.bar([i + mi * width for i in range(len(groups))], [by.get(g, 0) for g in groups], width, label=name)
+        ax.set_xticks([i + width * (len(ssd_methods) - 1) / 2 for i in range(len(groups))],
+                      [f"{d}\n{m}" for d, m in groups])
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"SSD {title}")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "ssd_hit_acceptance.png"))
+
+    # 3. Speedup over AR vs gamma: SSD measured and predicted, assisted tuned measured.
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.5 * max(1, len(groups)), 3.8), squeeze=False)
+    for ax, (d, m) in zip(axes[0], groups):
+        sel = [r for r in rows if r["dataset"] == d and r["mode"] == m and r["gamma"] is not None]
+        for kind, layout, key, style, label in (
+            ("ssd", "auto", "speedup_vs_ar", "o-", "SSD measured"),
+            ("ssd", "auto", "predicted_speedup", "o--", "SSD predicted"),
+            ("assisted_tuned", None, "speedup_vs_ar", "s-", "assisted (tuned)"),
+        ):
+            pts = sorted((r["gamma"], r[key]) for r in sel
+                         if r["kind"] == kind and r["layout"] == layout and r.get(key) is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(sorted({r["gamma"] for r in sel}))
+        ax.set_xlabel("gamma")
+        ax.set_ylabel("speedup over AR")
+        ax.set_title(f"{d} · {m}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "speedup_vs_gamma.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

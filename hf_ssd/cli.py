@@ -1,0 +1,284 @@
+"""The `hf-ssd` command line: `hf-ssd generate` (stream one SSD generation) and `hf-ssd bench` (AR vs assisted
+generation vs SSD on the same prompts).
+
+Models: `--target/--draft` (local paths or Hub ids, loaded with `AutoModelForCausalLM`), or by default the
+embedded Qwen2.5-Coder pair (`hf_ssd.pairs.load_default_pair`), or `--tiny` (a random tiny pair with a
+character-level tokenizer, built offline in a second; for smoke tests only: its text is gibberish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+from .config import EVICTIONS, FALLBACKS, LAYOUTS, SSDConfig, SSDConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _fanout(text: str):
+    return text if text == "geometric" else _int_list(text)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", help="target model: local path, Hub id, or 'default' (the embedded Qwen2.5-Coder "
+                                    "1.5B Instruct, the default)")
+    g.add_argument("--draft", help="draft model sharing the target's tokenizer: local path, Hub id, or 'default' "
+                                   "(the embedded Qwen2.5-Coder 0.5B Instruct, the default)")
+    g.add_argument("--tiny", action="store_true",
+                   help="use a random tiny pair with a character-level tokenizer (offline smoke tests only)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="model dtype (auto: float32 on CPU, bfloat16 on CUDA; the tiny pair is float64)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the run (default: torch's own; 1 with --tiny, where more "
+                        "threads only add synchronisation). SSD's CPU speculator uses --cpu-threads per side")
+
+
+def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
+    d = SSDConfig()
+    g = p.add_argument_group("SSD options (hf_ssd.SSDConfig)")
+    if with_gamma:
+        g.add_argument("--gamma", type=int, default=d.gamma, help="draft tokens per round")
+    g.add_argument("--fanout", type=_fanout, default=d.fanout,
+                   help="'geometric' or gamma+1 comma-separated ints (bonus tokens pre-drafted per k)")
+    g.add_argument("--fanout-budget", type=int, default=d.fanout_budget, help="predicted outcomes per round")
+    g.add_argument("--max-outcomes", type=int, default=d.max_outcomes, help="outcome-space truncation")
+    g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache capacity")
+    g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction)
+    g.add_argument("--fallback", choices=FALLBACKS, default=d.fallback, help="what a cache miss does")
+    g.add_argument("--fallback-gamma", type=int, default=d.fallback_gamma, help="draft length of the 'short' fallback")
+    g.add_argument("--saguaro-c", type=float, default=d.saguaro_c, help="Saguaro sampling constant in [0, 1)")
+    if with_gamma:
+        g.add_argument("--layout", choices=LAYOUTS, default=d.layout, help="where the speculator runs")
+    g.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
+                   help="torch threads for each of verifier and speculator on CPU (default: cores // 2)")
+
+
+def ssd_options(args) -> dict:
+    """The SSDConfig fields given on the command line (gamma/layout only where the command has them)."""
+    keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "eviction", "fallback", "fallback_gamma",
+            "saguaro_c", "cpu_threads", "gamma", "layout"]
+    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-ssd", description="Speculative Speculative Decoding for transformers")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show transformers warnings")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from one prompt with SSD, streaming the text")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_int_list, help="prompt as comma-separated token ids (no tokenizer needed)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
+    gen.add_argument("--seed", type=int, default=None, help="torch seed (with --do-sample)")
+    gen.add_argument("--method", choices=("ssd", "sd", "ar"), default="ssd",
+                     help="ssd (default), sd (transformers assisted generation) or ar (target alone), to compare")
+    gen.add_argument("--timeline", metavar="PNG", help="write a timeline picture of the SSD rounds")
+    _add_model_args(gen)
+    _add_ssd_args(gen)
+
+    bench = sub.add_parser("bench", help="compare AR, assisted generation and SSD on the same prompts")
+    bench.add_argument("--datasets", type=_str_list, default=["humaneval", "gsm"],
+                       help="comma-separated: humaneval, gsm, or paths to .jsonl/.csv files or save_to_disk dirs")
+    bench.add_argument("--num-prompts", type=int, default=10)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--modes", type=_str_list, default=["greedy", "sample"], help="greedy,sample")
+    bench.add_argument("--gammas", type=_int_list, default=[2, 4, 6], help="SSD / tuned-assisted draft lengths")
+    bench.add_argument("--out", default="bench_out", help="output directory")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--chat", choices=("auto", "always", "never"), default="auto",
+                       help="chat template: auto = for non-code prompts when the tokenizer has one")
+    bench.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
+    bench.add_argument("--strict", action="store_true", help="exit with status 3 when greedy outputs differ")
+    bench.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    _add_model_args(bench)
+    _add_ssd_args(bench, with_gamma=False)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+def _device_and_dtype(args):
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
+    return device, dtype
+
+
+def load_models(args):
+    """(target, draft, tokenizer) as chosen on the command line."""
+    device, dtype = _device_and_dtype(args)
+    if args.tiny:
+        if args.target or args.draft:
+            raise SystemExit("hf-ssd: --tiny builds its own pair; drop --target/--draft")
+        from .tiny import tiny_pair
+
+        return tiny_pair(device=device)
+    from .pairs import ModelNotAvailableError, load_default_pair, resolve_model, resolve_tokenizer
+
+    try:
+        if not args.target and not args.draft:
+            return load_default_pair(dtype=dtype, device=device)
+        # Either may be "default" (or left out): that role of the embedded pair.
+        target = resolve_model(args.target or "default", "target", dtype=dtype, device=device)
+        draft = resolve_model(args.draft or "default", "draft", dtype=dtype, device=device)
+        return target, draft, resolve_tokenizer(args.target or "default")
+    except ModelNotAvailableError as err:
+        raise SystemExit(f"hf-ssd: {err}") from err
+
+
+# ----------------------------------------------------------------------------------------------- commands
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        return list(args.prompt_ids)
+    if tokenizer is None:
+        raise SystemExit("hf-ssd: these models have no tokenizer; pass --prompt-ids")
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    return tokenizer(args.prompt).input_ids
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    import hf_ssd
+
+    from .timeline import plot_timeline, record_intervals
+
+    try:
+        config = SSDConfig(**ssd_options(args), record_timeline=bool(args.timeline))
+    except SSDConfigError as err:
+        raise SystemExit(f"hf-ssd: {err}") from err
+    target, draft, tokenizer = load_models(args)
+    hf_ssd.enable(target)
+    ids = _prompt_ids(args, tokenizer)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=target.device)
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
+              "attention_mask": torch.ones_like(input_ids)}
+    if args.do_sample:
+        kwargs["temperature"] = args.temperature
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+    if tokenizer is not None:
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    if args.method != "ar":
+        kwargs["assistant_model"] = draft
+    if args.method == "ssd":
+        kwargs["ssd_config"] = config
+    if args.timeline and args.method != "ssd":
+        raise SystemExit("hf-ssd: --timeline pictures SSD rounds; use it with --method ssd")
+
+    with record_intervals(target) as rec, torch.inference_mode():
+        start = time.perf_counter()
+        out = target.generate(input_ids, **kwargs)
+        seconds = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    if tokenizer is None:
+        print("token ids:", ",".join(map(str, new)))
+    print()
+    if args.method == "ssd":
+        stats = hf_ssd.last_stats(target)
+        print(f"[hf-ssd] {stats.summary()}")
+        if args.timeline:
+            path = plot_timeline(stats, args.timeline, intervals=rec.intervals)
+            print(f"[hf-ssd] timeline written to {path}")
+    else:
+        tps = len(new) / seconds if seconds > 0 else 0.0
+        print(f"[hf-ssd] {args.method}: {len(new)} tokens in {seconds:.2f}s ({tps:.2f} tok/s)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    options = ssd_options(args)
+    try:
+        SSDConfig(**options, gamma=max(args.gammas))  # fail fast on bad options, before loading models
+    except SSDConfigError as err:
+        raise SystemExit(f"hf-ssd: {err}") from err
+    bad_modes = [m for m in args.modes if m not in ("greedy", "sample")]
+    if bad_modes or not args.modes:
+        raise SystemExit(f"hf-ssd: --modes takes greedy and/or sample, got {args.modes}")
+    target, draft, tokenizer = load_models(args)
+    max_prompt = args.max_prompt_tokens or (128 if args.tiny else None)
+    results = run_bench(
+        target, draft, tokenizer, datasets=args.datasets, out_dir=args.out, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, modes=tuple(args.modes), gammas=tuple(args.gammas),
+        ssd_options=options, seed=args.seed, chat=args.chat, max_prompt_tokens=max_prompt,
+        progress=not args.no_progress,
+    )
+    from pathlib import Path
+
+    print((Path(args.out) / "results.md").read_text(encoding="utf-8"))
+    print(f"[hf-ssd] results in {args.out}: results.json, results.md, " + ", ".join(Path(p).name for p in results["plots"]))
+    if results["greedy_identical"]:
+        print("[hf-ssd] greedy outputs identical across all methods")
+    elif args.strict:
+        return 3
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    command = cmd_generate if args.command == "generate" else cmd_bench
+    with _torch_threads(args.threads or (1 if args.tiny else None)):
+        return command(args)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """Set torch's intra-op threads for one command and restore them (main() also runs in-process)."""
+    if not n:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""`SSDConfig`: every knob of Speculative Speculative Decoding, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+FALLBACKS = ("sd", "short", "ar", "ngram")
+EVICTIONS = ("lru", "probability")
+LAYOUTS = ("auto", "thread", "stream", "device", "inline")
+
+
+class SSDConfigError(ValueError):
+    """An invalid `SSDConfig` value; the message names the field and what to change."""
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SSDConfigError(f"SSDConfig.{name} must be an int, got {type(value).__name__} ({value!r}).")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise SSDConfigError(f"SSDConfig.{name} must be {bound}, got {value}.")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SSDConfigError(f"SSDConfig.{name} must be one of {list(choices)}, got {value!r}.")
+
+
+@dataclass
+class SSDConfig:
+    """Configuration of SSD, passed as `model.generate(..., ssd_config=SSDConfig(...))`.
+
+    Args:
+        gamma: number of draft tokens proposed per round (the draft length).
+        fanout: `"geometric"` to split `fanout_budget` across acceptance lengths k = 0..gamma in proportion to
+            the probability of each k under the measured acceptance rate, or an explicit list of gamma + 1
+            ints (the number of bonus tokens to pre-draft for each k).
+        fanout_budget: total number of predicted outcomes per round for the geometric allocation.
+        max_outcomes: outcome-space truncation: keep at most this many most likely outcomes per round.
+        cache_size: capacity of the speculation cache (entries); never exceeded.
+        eviction: `"lru"` (least recently used first) or `"probability"` (least likely outcome first).
+        fallback: what a cache miss does: `"sd"` drafts gamma tokens now, `"short"` drafts `fallback_gamma`
+            tokens now, `"ar"` proposes nothing this round, `"ngram"` proposes a prompt-lookup continuation.
+        fallback_gamma: draft length of the `"short"` fallback (default: gamma // 2, at least 1).
+        ngram_size: longest n-gram matched by the `"ngram"` fallback.
+        saguaro_c: Saguaro sampling constant in [0, 1): when sampling, the draft probabilities of the top
+            fan-out tokens are scaled by C before drafting, so that a rejection's residual lands on tokens the
+            cache holds. `None` drafts from the plain draft distribution. Exact either way; no effect in greedy.
+        initial_acceptance: acceptance-rate prior used before any round was verified.
+        layout: where the speculator runs: `"auto"`, `"thread"` (CPU thread), `"stream"` (own CUDA stream on
+            the target's GPU), `"device"` (draft on its own device), `"inline"` (no overlap; for comparison).
+        cpu_threads: torch intra-op threads for each of verifier and speculator on CPU (`None`: cores // 2).
+        hit_rate_warning: warn when a call's cache hit rate is below this (0 disables).
+        record_timeline: keep per-round timing events in the stats (for `hf_ssd.plot_timeline`).
+    """
+
+    gamma: int = 4
+    fanout: Literal["geometric"] | list[int] = "geometric"
+    fanout_budget: int = 8
+    max_outcomes: int = 8
+    cache_size: int = 64
+    eviction: Literal["lru", "probability"] = "probability"
+    fallback: Literal["sd", "short", "ar", "ngram"] = "sd"
+    fallback_gamma: int | None = None
+    ngram_size: int = 3
+    saguaro_c: float | None = None
+    initial_acceptance: float = 0.7
+    layout: Literal["auto", "thread", "stream", "device", "inline"] = "auto"
+    cpu_threads: int | None = None
+    hit_rate_warning: float = 0.6
+    record_timeline: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_int("gamma", self.gamma, 1, 64)
+        if isinstance(self.fanout, str):
+            _check_choice("fanout", self.fanout, ("geometric",))
+        elif isinstance(self.fanout, (list, tuple)):
+            if len(self.fanout) != self.gamma + 1:
+                raise SSDConfigError(
+                    f"SSDConfig.fanout as a list needs gamma + 1 = {self.gamma + 1} entries (one per acceptance "
+                    f"length k = 0..gamma), got {len(self.fanout)}."
+                )
+            for i, f in enumerate(self.fanout):
+                _check_int(f"fanout[{i}]", f, 0)
+            self.fanout = list(self.fanout)
+        else:
+            raise SSDConfigError(
+                f"SSDConfig.fanout must be 'geometric' or a list of ints, got {type(self.fanout).__name__}."
+            )
+        _check_int("fanout_budget", self.fanout_budget, 0, 4096)
+        _check_int("max_outcomes", self.max_outcomes, 0, 4096)
+        _check_int("cache_size", self.cache_size, 1)
+        _check_choice("eviction", self.eviction, EVICTIONS)
+        _check_choice("fallback", self.fallback, FALLBACKS)
+        if self.fallback_gamma is not None:
+            _check_int("fallback_gamma", self.fallback_gamma, 1, self.gamma)
+        _check_int("ngram_size", self.ngram_size, 1, 32)
+        if self.saguaro_c is not None:
+            if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)):
+                raise SSDConfigError(f"SSDConfig.saguaro_c must be a float in [0, 1) or None, got {self.saguaro_c!r}.")
+            if not 0.0 <= float(self.saguaro_c) < 1.0:
+                raise SSDConfigError(
+                    f"SSDConfig.saguaro_c must be in [0, 1) (1 would be plain sampling: use None), got {self.saguaro_c}."
+                )
+        for name in ("initial_acceptance", "hit_rate_warning"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise SSDConfigError(f"SSDConfig.{name} must be a float in [0, 1], got {value!r}.")
+        _check_choice("layout", self.layout, LAYOUTS)
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1, 1024)
+        if not isinstance(self.record_timeline, bool):
+            raise SSDConfigError(f"SSDConfig.record_timeline must be a bool, got {self.record_timeline!r}.")
+
+    @property
+    def effective_fallback_gamma(self) -> int:
+        return self.fallback_gamma if self.fallback_gamma is not None else max(1, self.gamma // 2)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

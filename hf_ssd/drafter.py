@@ -1,0 +1,293 @@
+"""The draft side: one draft KV cache (the trunk), sequential drafting, and batched tree pre-drafting.
+
+The trunk cache holds the draft's keys/values for `ids`. Pre-drafting for several outcomes runs all branches in
+one batch: every row starts from a copy of the trunk (context + all g candidates), and a 4D mask hides the
+candidates a branch assumes rejected, so one draft forward per step serves every branch. Adopting a branch
+after a hit gathers its valid columns back into a single-row cache, so the next round starts where it left off.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .outcomes import Outcome
+
+TopProbs = tuple[torch.Tensor, torch.Tensor]  # (probabilities, token ids), most likely first
+
+
+class UnsupportedDraftError(ValueError):
+    """The draft model cannot be driven by the SSD drafter (e.g. its cache cannot be cropped or batched)."""
+
+
+@dataclass
+class DraftResult:
+    tokens: list[int]
+    logits: torch.Tensor | None  # [n, V] log-probabilities each token was sampled from; None in greedy mode
+
+
+@dataclass
+class TreeBatch:
+    """Shared state of one batched pre-draft: the batched cache and the geometry of its rows."""
+
+    cache: DynamicCache
+    context_len: int  # L0: tokens before the candidates
+    trunk_len: int  # L0 + g: columns copied from the trunk
+    trunk_ids: list[int]
+    trunk_top: dict[int, TopProbs]
+
+
+@dataclass
+class BranchState:
+    batch: TreeBatch
+    row: int
+    outcome: Outcome
+    top: dict[int, TopProbs] = field(default_factory=dict)
+    fed: int = 0  # tokens fed into this row so far: the bonus, then the drafted tokens
+
+
+class Drafter:
+    def __init__(
+        self,
+        model,
+        logits_processor: Callable | None,
+        do_sample: bool,
+        top_k: int,
+        saguaro_c: float | None = None,
+        generator: torch.Generator | None = None,
+        out_vocab: int | None = None,
+    ):
+        self.model = model
+        # Proposals must live in the target's vocabulary: a draft with a larger (padded) embedding never
+        # proposes ids beyond it, and a smaller one gets zero probability on the ids it lacks.
+        self.out_vocab = out_vocab or model.config.get_text_config().vocab_size
+        self.device = model.device
+        self.processor = logits_processor
+        self.do_sample = do_sample
+        self.top_k = max(1, top_k)
+        self.saguaro_c = saguaro_c if do_sample else None
+        self.generator = generator
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache = self._new_cache()
+        self.ids: list[int] = []
+        self.top: dict[int, TopProbs] = {}  # position p -> draft's top probabilities for token p + 1
+        self.forwards = 0
+        self._last: tuple[int, torch.Tensor] | None = None  # (context length, probs) of the last sync
+        self._checked = False
+        self._keep_kw = "logits_to_keep" in params
+
+    # ----- low level -------------------------------------------------------------------------------------
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def _check_cache(self, cache: DynamicCache) -> None:
+        layers = getattr(cache, "layers", None)
+        if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
+            raise UnsupportedDraftError(
+                "SSD needs a draft model whose KV cache is a plain full-attention DynamicCache (no sliding-window, "
+                f"linear-attention or quantized layers); {type(self.model).__name__} does not use one. "
+                "Use a standard decoder-only draft (e.g. Llama/Qwen2/Mistral without sliding window)."
+            )
+
+    @torch.no_grad()
+    def _forward(self, input_ids, position_ids, cache, attention_mask=None, keep_last: int = 1) -> torch.Tensor:
+        kwargs = {self._cache_kw: cache}
+        if self._keep_kw:
+            kwargs["logits_to_keep"] = keep_last  # a long prompt's full logits would be V floats per token
+        out = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True, **kwargs
+        )
+        self.forwards += 1
+        return out.logits[:, -keep_last:, : self.out_vocab].float()
+
+    def _process(self, context: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Apply the generation's logits processors (temperature, top-k/p, penalties) for this context."""
+        scores = logits.view(1, -1)
+        if self.processor is not None and len(self.processor) > 0:
+            ids = torch.tensor([context], dtype=torch.long, device=logits.device)
+            scores = self.processor(ids, scores.clone())
+        return scores[0]
+
+    def _top(self, probs: torch.Tensor) -> TopProbs:
+        values, ids = probs.topk(min(self.top_k, probs.numel()))
+        return values.cpu(), ids.cpu()
+
+    def _choose(self, probs: torch.Tensor, n_cached: int) -> tuple[int, torch.Tensor | None]:
+        """Pick the next draft token; when sampling also return the log-probabilities it was drawn from."""
+        if not self.do_sample:
+            return int(probs.argmax()), None
+        q = probs
+        if self.saguaro_c is not None and n_cached > 0:
+            # Saguaro: shrink the draft mass of the tokens the cache will hold for a rejection here, so the
+            # residual max(p - q, 0) of a rejection falls on them. Exact because q is what we sample from.
+            scaled = probs.clone()
+            scaled[probs.topk(min(n_cached, probs.numel())).indices] *= self.saguaro_c
+            total = scaled.sum()
+            if total > 1e-6:  # when the cached tokens hold (almost) all the mass, keep the plain draft
+                q = scaled / total
+        token = int(torch.multinomial(q, 1, generator=self.generator))
+        logq = q.log()
+        if logq.numel() < self.out_vocab:
+            logq = torch.nn.functional.pad(logq, (0, self.out_vocab - logq.numel()), value=float("-inf"))
+        return token, logq
+
+    # ----- the trunk -------------------------------------------------------------------------------------
+    def _crop(self, n: int) -> None:
+        drop = len(self.ids) - n
+        if drop > 0:
+            self.cache.crop(-drop)
+            del self.ids[n:]
+            self._last = None
+        # A record at position p describes the token after p: it is valid only while token p is held.
+        for p in [p for p in self.top if p >= n or p < n - 1024]:
+            del self.top[p]
+
+    def sync(self, context: list[int], record_from: int | None = None) -> torch.Tensor:
+        """Make the trunk hold `context`; return the processed draft probabilities for the next token.
+
+        Positions from `record_from` on (default: the last) get their top probabilities recorded, which the
+        outcome prediction of the round reads.
+        """
+        last = len(context) - 1
+        if self._last is not None and self._last[0] == len(context) and self.ids == context:
+            return self._last[1]
+        common = 0
+        for a, b in zip(self.ids, context):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, last)
+        self._crop(keep)
+        new = context[keep:]
+        first = max(keep, last if record_from is None else min(record_from, last))
+        positions = torch.arange(keep, len(context), device=self.device).unsqueeze(0)
+        logits = self._forward(
+            torch.tensor([new], device=self.device), positions, self.cache, keep_last=len(context) - first
+        )[0]
+        if not self._checked:
+            self._check_cache(self.cache)
+            self._checked = True
+        self.ids.extend(new)
+        probs = None
+        for i, pos in enumerate(range(first, len(context))):
+            probs = self._probs_for(context[: pos + 1], logits[i])
+            self.top[pos] = self._top(probs)
+        self._last = (len(context), probs)
+        return probs
+
+    def _probs_for(self, context: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self._process(context, logits), dim=-1)
+
+    def draft(self, context: list[int], n: int, fanout: list[int]) -> DraftResult:
+        """Plain sequential drafting of n tokens after `context` (the SD path, used by fallbacks)."""
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        seq = list(context)
+        for j in range(n):
+            probs = self.sync(seq)
+            token, logq = self._choose(probs, fanout[j] if j < len(fanout) else 0)
+            tokens.append(token)
+            if logq is not None:
+                rows.append(logq)
+            seq.append(token)
+        return DraftResult(tokens, torch.stack(rows) if rows else None)
+
+    def record(self, context: list[int], record_from: int) -> None:
+        """Make sure the top probabilities at positions record_from.. of `context` are known (forward if not)."""
+        if self.ids == context and all(p in self.top for p in range(record_from, len(context))):
+            return  # e.g. an adopted branch that was fully fed during pre-drafting
+        self.sync(context, record_from)
+
+    def candidate_tops(self, context_len: int, n: int) -> list[TopProbs]:
+        """Top probabilities predicting candidates 1..n and the token after them (trunk must hold them)."""
+        return [self.top[context_len - 1 + j] for j in range(n + 1)]
+
+    # ----- batched pre-drafting ---------------------------------------------------------------------------
+    def start_tree(self, context_len: int, outcomes: list[Outcome]) -> TreeBatch:
+        batch = len(outcomes)
+        cache = self._new_cache()
+        for i, layer in enumerate(self.cache.layers):
+            k, v = layer.keys, layer.values
+            cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), i)
+        return TreeBatch(cache, context_len, len(self.ids), list(self.ids), dict(self.top))
+
+    def tree_steps(
+        self,
+        tree: TreeBatch,
+        outcomes: list[Outcome],
+        gamma: int,
+        fanout: list[int],
+        should_stop: Callable[[], bool],
+        on_step: Callable[[int], None] | None = None,
+    ) -> list[tuple[BranchState, DraftResult]]:
+        """Draft up to gamma tokens for every outcome, one batched forward per token, stopping early on request.
+
+        A last step feeds the gamma-th token too: it costs nothing on the critical path and gives the draft's
+        distribution after the branch, which the next round's outcome prediction needs.
+        """
+        b = len(outcomes)
+        L0, T = tree.context_len, tree.trunk_len
+        starts = torch.tensor([L0 + o.accepted for o in outcomes], device=self.device)
+        # Columns [L0 + k, T) hold candidates that branch k assumes rejected: mask them out for that row.
+        cols = torch.arange(T, device=self.device)
+        allowed = cols.unsqueeze(0) < starts.unsqueeze(1)
+        dtype = self.model.dtype
+        neg = torch.finfo(dtype).min
+        contexts = [tree.trunk_ids[: L0 + o.accepted] + [o.bonus] for o in outcomes]
+        states = [BranchState(tree, r, o) for r, o in enumerate(outcomes)]
+        results = [DraftResult([], None) for _ in outcomes]
+        rows: list[list[torch.Tensor]] = [[] for _ in outcomes]
+        feed = torch.tensor([[o.bonus] for o in outcomes], device=self.device)
+        for j in range(gamma + 1):
+            if should_stop():
+                break
+            allowed = torch.cat([allowed, torch.ones(b, 1, dtype=torch.bool, device=self.device)], dim=1)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, neg)
+            logits = self._forward(feed, (starts + j).unsqueeze(1), tree.cache, mask[:, None, None, :])
+            nxt = []
+            for r in range(b):
+                probs = self._probs_for(contexts[r], logits[r, -1])
+                states[r].top[L0 + outcomes[r].accepted + j] = self._top(probs)
+                states[r].fed = j + 1
+                if j == gamma:
+                    continue
+                token, logq = self._choose(probs, fanout[j] if j < len(fanout) else 0)
+                results[r].tokens.append(token)
+                if logq is not None:
+                    rows[r].append(logq)
+                contexts[r].append(token)
+                nxt.append(token)
+            feed = torch.tensor([[t] for t in nxt], device=self.device)
+            if on_step is not None:
+                on_step(j)
+        for r in range(b):
+            if rows[r]:
+                results[r].logits = torch.stack(rows[r])
+        return list(zip(states, results))
+
+    def adopt(self, state: BranchState, tokens: list[int]) -> None:
+        """Make the trunk the branch's cache: the trunk up to its accepted tokens, then bonus + drafts.
+
+        `tokens` are the candidates taken from the branch; of the fed columns, those up to the last
+        candidate are kept.
+        """
+        tree, r, o = state.batch, state.row, state.outcome
+        keep = tree.context_len + o.accepted
+        fed = min(state.fed, len(tokens) + 1)
+        cache = self._new_cache()
+        lo, hi = tree.trunk_len, tree.trunk_len + fed
+        for i, layer in enumerate(tree.cache.layers):
+            k = torch.cat([layer.keys[r : r + 1, :, :keep], layer.keys[r : r + 1, :, lo:hi]], dim=2)
+            v = torch.cat([layer.values[r : r + 1, :, :keep], layer.values[r : r + 1, :, lo:hi]], dim=2)
+            cache.update(k, v, i)
+        self.cache = cache
+        self.ids = tree.trunk_ids[:keep] + [o.bonus] + tokens[: fed - 1]
+        self.top = {p: t for p, t in tree.trunk_top.items() if p < keep}
+        self.top.update({p: state.top[p] for p in range(keep, keep + fed)})
+        self._last = None

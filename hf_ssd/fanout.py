@@ -1,0 +1,59 @@
+"""Fan-out: how many bonus tokens to pre-draft for each acceptance length k.
+
+Under a per-token acceptance rate alpha, a round with g draft tokens accepts exactly k of them with probability
+alpha^k (1 - alpha) for k < g and alpha^g for k = g (a geometric law). The budget is split in proportion to
+those probabilities, so likely acceptance lengths get more branches.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def acceptance_length_probs(alpha: float, gamma: int) -> list[float]:
+    """P(exactly k of gamma draft tokens accepted), k = 0..gamma, for i.i.d. acceptance with rate alpha."""
+    alpha = min(max(alpha, 0.0), 1.0)
+    probs = [alpha**k * (1.0 - alpha) for k in range(gamma)]
+    probs.append(alpha**gamma)
+    return probs
+
+
+def geometric_fanout(budget: int, alpha: float, gamma: int) -> list[int]:
+    """Split `budget` over k = 0..gamma in proportion to the acceptance-length probabilities.
+
+    Largest-remainder rounding keeps the sum equal to the budget, and, since the weights decrease for k < gamma,
+    the counts never increase along k < gamma (ties in the floor go to the larger weight, i.e. the smaller k).
+    """
+    weights = acceptance_length_probs(alpha, gamma)
+    total = sum(weights)
+    if budget == 0 or total <= 0:
+        return [0] * (gamma + 1)
+    shares = [budget * w / total for w in weights]
+    counts = [math.floor(s) for s in shares]
+    left = budget - sum(counts)
+    by_remainder = sorted(range(gamma + 1), key=lambda k: (-(shares[k] - counts[k]), -weights[k], k))
+    for k in by_remainder[:left]:
+        counts[k] += 1
+    return counts
+
+
+class AcceptanceTracker:
+    """Per-token acceptance rate (accepted / tried), exponentially weighted towards recent rounds.
+
+    Starts from a prior worth a few tokens; the decay lets the fan-out follow a text whose difficulty
+    changes (code vs prose) instead of the whole call's average.
+    """
+
+    def __init__(self, prior: float, prior_weight: float = 4.0, decay: float = 0.9):
+        self.accepted = prior * prior_weight
+        self.tried = prior_weight
+        self.decay = decay
+
+    def update(self, accepted: int, proposed: int) -> None:
+        # A round accepting k of g tokens observed k acceptances and, if k < g, one rejection.
+        self.accepted = self.decay * self.accepted + accepted
+        self.tried = self.decay * self.tried + min(proposed, accepted + 1)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried if self.tried else 0.0

@@ -1,0 +1,199 @@
+"""Plugging SSD into `model.generate`: `enable`, `disable`, the generate wrapper, and input validation.
+
+`enable(model)` puts two instance attributes on the model and nothing else: a `generate` that accepts
+`ssd_config=` and a `_get_candidate_generator` that builds the SSD generator while such a call is active.
+transformers looks `_get_candidate_generator` up on the instance, so the class, other models and the
+saved configs are untouched; `disable(model)` deletes both attributes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+
+import torch
+
+from .config import SSDConfig
+from .generator import SSDCandidateGenerator
+from .layouts import resolve_layout, thread_settings
+from .stats import SSDStats
+
+logger = logging.getLogger("hf_ssd")
+
+_MARK = "_hf_ssd_enabled"
+_active = threading.local()  # the SSD call in progress on this thread: (model id, config, draft, hooks)
+_last_stats: dict[int, SSDStats] = {}
+_stats_lock = threading.Lock()
+
+
+class SSDUsageError(ValueError):
+    """`generate` was called with an SSD setting it cannot honour; the message says what to change."""
+
+
+def enable(model):
+    """Let `model.generate` (and pipelines using it) accept `ssd_config=SSDConfig(...)`. Idempotent."""
+    if not callable(getattr(model, "generate", None)) or not hasattr(model, "_get_candidate_generator"):
+        raise SSDUsageError(
+            f"hf_ssd.enable() needs a transformers model that can generate (a *ForCausalLM with "
+            f"GenerationMixin); got {type(model).__name__}."
+        )
+    if getattr(model, _MARK, False):
+        return model
+    original_generate = model.generate  # bound method of the class
+    original_get = model._get_candidate_generator
+
+    @functools.wraps(original_generate)
+    def generate(*args, ssd_config: SSDConfig | None = None, **kwargs):
+        if ssd_config is None:
+            return original_generate(*args, **kwargs)
+        return _ssd_generate(model, original_generate, ssd_config, args, kwargs)
+
+    def _get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, **kwargs):
+        call = getattr(_active, "call", None)
+        if call is None or call["model"] is not model:
+            return original_get(generation_config=generation_config, input_ids=input_ids,
+                                inputs_tensor=inputs_tensor, logits_processor=logits_processor,
+                                model_kwargs=model_kwargs, assistant_model=assistant_model, **kwargs)
+        gen = SSDCandidateGenerator(
+            assistant_model, call["config"], generation_config, logits_processor, call["layout"],
+            out_vocab=model.config.get_text_config().vocab_size, cpu_threads=call["cpu_threads"],
+            hooks=call["hooks"],
+        )
+        call["generator"] = gen
+        return gen
+
+    model.generate = generate
+    model._get_candidate_generator = _get_candidate_generator
+    setattr(model, _MARK, True)
+    return model
+
+
+def disable(model):
+    """Undo `enable`: the model's generate is transformers' own again. Safe to call on any model."""
+    if getattr(model, _MARK, False):
+        for name in ("generate", "_get_candidate_generator", _MARK):
+            model.__dict__.pop(name, None)
+    return model
+
+
+def is_enabled(model) -> bool:
+    return bool(getattr(model, _MARK, False))
+
+
+def last_stats(model) -> SSDStats | None:
+    """Statistics of the latest SSD `generate` call on `model` (any thread)."""
+    with _stats_lock:
+        return _last_stats.get(id(model))
+
+
+def _ssd_generate(model, original_generate, config: SSDConfig, args, kwargs):
+    if not isinstance(config, SSDConfig):
+        raise SSDUsageError(f"ssd_config must be an hf_ssd.SSDConfig, got {type(config).__name__}.")
+    config.validate()
+    draft = kwargs.get("assistant_model")
+    hooks = kwargs.pop("_ssd_hooks", None)
+    _validate_call(model, draft, args, kwargs)
+    layout = resolve_layout(config.layout, model, draft)
+    call = {"model": model, "config": config, "layout": layout, "hooks": hooks, "generator": None,
+            "cpu_threads": None}
+    if getattr(_active, "call", None) is not None:
+        raise SSDUsageError("generate(ssd_config=...) is not re-entrant on one thread.")
+    start = time.perf_counter()
+    with thread_settings(layout, config, model) as cpu_threads:
+        call["cpu_threads"] = cpu_threads
+        _active.call = call
+        try:
+            out = original_generate(*args, **kwargs)
+        finally:
+            _active.call = None
+            gen = call["generator"]
+            if gen is not None:
+                gen.close()  # background work never outlives generate
+    end = time.perf_counter()
+    gen = call["generator"]
+    stats = gen.stats if gen is not None else SSDStats(layout=layout)
+    if gen is not None:
+        stats.finalize((start, end), gen.verify_intervals, gen.draft_intervals + gen.speculator.busy)
+        if config.record_timeline:
+            stats.intervals = {
+                "verify": list(gen.verify_intervals),
+                "speculate": list(gen.speculator.busy),
+                "fallback": list(gen.draft_intervals),
+                "wall": (start, end),
+            }
+    with _stats_lock:
+        _last_stats[id(model)] = stats
+    if (
+        config.hit_rate_warning > 0
+        and stats.lookups >= 4
+        and stats.hit_rate < config.hit_rate_warning
+    ):
+        logger.warning(
+            "hf_ssd: speculation cache hit rate %.0f%% is under %.0f%% (%d/%d). Try a larger fanout_budget, a "
+            "smaller gamma, or a draft closer to the target.",
+            100 * stats.hit_rate, 100 * config.hit_rate_warning, stats.cache_hits, stats.lookups,
+        )
+    if hasattr(out, "sequences"):
+        out.ssd_stats = stats
+    return out
+
+
+def _validate_call(model, draft, args, kwargs) -> None:
+    if draft is None:
+        raise SSDUsageError(
+            "ssd_config needs a draft model: call generate(..., assistant_model=draft, ssd_config=...). "
+            "SSD pre-drafts with the assistant model while the target verifies."
+        )
+    if kwargs.get("assistant_tokenizer") is not None:
+        raise SSDUsageError(
+            "SSD needs the draft and the target to share one tokenizer; remove assistant_tokenizer (universal "
+            "assisted generation across tokenizers is not supported with ssd_config)."
+        )
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    merged = {k: kwargs.get(k, getattr(gen_config, k, None)) for k in (
+        "num_beams", "num_return_sequences", "penalty_alpha", "prompt_lookup_num_tokens", "num_beam_groups",
+        "do_sample", "assistant_early_exit",
+    )}
+    if (merged["num_beams"] or 1) > 1:
+        raise SSDUsageError("SSD supports greedy and sampling only; beam search (num_beams > 1) is not supported.")
+    if (merged["num_return_sequences"] or 1) > 1:
+        raise SSDUsageError("SSD returns one sequence per call; set num_return_sequences=1 (or loop over calls).")
+    if merged["penalty_alpha"]:
+        raise SSDUsageError("Contrastive search (penalty_alpha) is not supported with ssd_config.")
+    if merged["prompt_lookup_num_tokens"] or merged["assistant_early_exit"]:
+        raise SSDUsageError(
+            "prompt_lookup_num_tokens / assistant_early_exit pick another candidate generator; for n-gram "
+            "lookup use SSDConfig(fallback='ngram') instead."
+        )
+    inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
+        raise SSDUsageError(
+            f"SSD supports batch size 1 (got {inputs.shape[0]} sequences); generate each prompt separately."
+        )
+    if model.config.is_encoder_decoder:
+        raise SSDUsageError("SSD supports decoder-only models; encoder-decoder models are not supported.")
+    t_vocab = model.config.get_text_config().vocab_size
+    d_vocab = draft.config.get_text_config().vocab_size
+    if t_vocab != d_vocab:
+        raise SSDUsageError(
+            f"Draft and target vocabularies differ (draft {d_vocab} vs target {t_vocab} tokens): SSD needs a "
+            "draft that shares the target's tokenizer. Pick a draft of the same model family."
+        )
+    t_eos, d_eos = _eos(model), _eos(draft)
+    if t_eos and d_eos and t_eos.isdisjoint(d_eos):
+        raise SSDUsageError(
+            f"Draft and target disagree on the end-of-sequence token (draft {sorted(d_eos)}, target "
+            f"{sorted(t_eos)}): they do not share a tokenizer. Pick a draft of the same model family."
+        )
+
+
+def _eos(model) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

@@ -1,0 +1,101 @@
+"""Per-call statistics of SSD: what users watch (hit rate, acceptance, bubble ratio) and the time split."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time covered by both interval lists (each list sorted and non-overlapping)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+@dataclass
+class SSDStats:
+    """Statistics of one SSD `generate` call.
+
+    `bubble_ratio` is the share of wall time in which the verifier or the speculator sat idle waiting on the
+    other (1 - time both were busy / wall time): 1.0 for strictly alternating SD, towards 0 for full overlap.
+    """
+
+    rounds: int = 0
+    new_tokens: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    partial_hits: int = 0
+    fallbacks: dict = field(default_factory=dict)
+    outcomes_predicted: int = 0
+    branches_drafted: int = 0
+    evictions: int = 0
+    wall_time: float = 0.0
+    verify_time: float = 0.0
+    speculate_time: float = 0.0
+    fallback_draft_time: float = 0.0
+    target_wait_time: float = 0.0
+    overlap_time: float = 0.0
+    draft_forwards: int = 0
+    layout: str = ""
+    timeline: list = field(default_factory=list, repr=False)
+    intervals: dict = field(default_factory=dict, repr=False)  # busy intervals by role, with record_timeline
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def lookups(self) -> int:
+        return self.cache_hits + self.cache_misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cache_hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def bubble_ratio(self) -> float:
+        return 1.0 - self.overlap_time / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def finalize(self, wall: tuple[float, float], verify: list, speculate: list) -> None:
+        """Derive the time split from the busy intervals of verifier and speculator."""
+        self.wall_time = wall[1] - wall[0]
+        self.verify_time = _length(verify)
+        self.speculate_time = _length(speculate)
+        self.overlap_time = _overlap(sorted(verify), sorted(speculate))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("timeline")
+        d.pop("intervals")
+        for name in ("acceptance_rate", "mean_accepted_length", "hit_rate", "bubble_ratio", "tokens_per_second"):
+            d[name] = getattr(self, name)
+        return d
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.2f} tok/s) | "
+            f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
+            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}) | bubble ratio {self.bubble_ratio:.1%}"
+        )

@@ -1,0 +1,149 @@
+"""The benchmark harness: the local `evaluate` metric, prompt loading, the paper's speedup model, and an
+end-to-end `hf-ssd bench --tiny` run."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from hf_ssd.bench import (
+    CallResult,
+    Method,
+    MethodRun,
+    assistant_settings,
+    bench_methods,
+    check_identical,
+    load_metric,
+    predicted_speedups,
+)
+from hf_ssd.cli import main
+from hf_ssd.prompts import PromptsError, extract_number, load_prompts
+
+
+@pytest.fixture(scope="module")
+def metric():
+    return load_metric()
+
+
+def test_metric_loads_locally_and_scores_token_sequences(metric):
+    r = metric.compute(predictions=[[1, 2, 3], [4, 5, 6], [7, 8]], references=[[1, 2, 3], [4, 9, 6], [7, 8, 9]])
+    assert r["exact_match"] == pytest.approx(1 / 3)
+    assert r["num_mismatches"] == 2
+    assert r["mismatch_indices"] == [1, 2]
+    assert r["first_divergence"] == [-1, 1, 2]  # a shorter output diverges where it stops
+    assert metric.compute(predictions=[[5, 6]], references=[[5, 6]])["exact_match"] == 1.0
+
+
+def test_metric_scores_strings(metric):
+    r = metric.compute(predictions=["72", "3", "10"], references=["72", "4", "10"])
+    assert r["exact_match"] == pytest.approx(2 / 3)
+    assert r["mismatch_indices"] == [1]
+
+
+def test_check_identical_flags_a_mismatching_method(metric):
+    ar, ssd = MethodRun(Method("ar", "ar")), MethodRun(Method("ssd_g2", "ssd", 2, "auto"))
+    for a, s in (([1, 2, 3], [1, 2, 3]), ([4, 5], [4, 6])):
+        ar.add(CallResult(a, 0.1))
+        ssd.add(CallResult(s, 0.1))
+    check = check_identical(metric, {"ar": ar, "ssd_g2": ssd})
+    assert check["ssd_g2"]["num_mismatches"] == 1 and check["ssd_g2"]["first_divergence"] == [-1, 1]
+
+
+def test_predicted_speedup_follows_the_paper_formula():
+    ssd = {"rounds": 10, "mean_accepted": 2.0, "hit_rate": 0.75, "T_v": 0.10, "T_s": 0.08, "T_fb": 0.04}
+    pred_ssd, pred_sd = predicted_speedups(ssd, t_ar_token=0.05)
+    # E = 3; per round 0.75 * max(0.10, 0.08) + 0.25 * (0.04 + 0.10) = 0.11
+    assert pred_ssd == pytest.approx(3 / 0.11 * 0.05)
+    assert pred_sd == pytest.approx(3 / 0.14 * 0.05)
+    assert predicted_speedups({}, 0.05) == (None, None)
+
+
+def test_bench_methods_and_assistant_settings_restore():
+    names = [m.name for m in bench_methods([2, 4, 6])]
+    assert names == ["ar", "assisted", "assisted_g2", "assisted_g4", "assisted_g6", "ssd_g2", "ssd_g4", "ssd_g6",
+                     "ssd_g4_inline"]
+
+    class GC:
+        num_assistant_tokens = 20
+
+    class Draft:
+        generation_config = GC()
+
+    d = Draft()
+    with assistant_settings(d, num_assistant_tokens=4, assistant_confidence_threshold=0.0):
+        assert d.generation_config.num_assistant_tokens == 4
+    assert d.generation_config.num_assistant_tokens == 20
+    assert d.generation_config.assistant_confidence_threshold is None
+
+
+def test_prompts_from_files_and_builtin_sets(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": "4"}\n')
+    (tmp_path / "p.csv").write_text("prompt\nhello\nworld\n")
+    datasets.Dataset.from_list([{"text": "a"}, {"text": "b"}, {"text": "c"}]).save_to_disk(str(tmp_path / "disk"))
+    name, ds = load_prompts(str(tmp_path / "p.jsonl"))
+    assert name == "p" and ds["prompt"] == ["1+1?", "2+2?"] and ds["kind"] == ["math", "math"]
+    assert [extract_number(r) for r in ds["reference"]] == ["2", "4"]
+    assert load_prompts(str(tmp_path / "p.csv"), num_prompts=1)[1]["prompt"] == ["hello"]
+    assert load_prompts(str(tmp_path / "disk"), num_prompts=2)[1]["kind"] == ["text", "text"]
+    name, ds = load_prompts("humaneval", num_prompts=2)
+    assert len(ds) == 2 and ds[0]["id"] == "HumanEval/0" and ds[0]["kind"] == "code"
+    name, ds = load_prompts("gsm8k", num_prompts=2)
+    assert name == "gsm" and len(ds) == 2 and all(extract_number(r) for r in ds["reference"])
+    with pytest.raises(PromptsError):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_extract_number():
+    assert extract_number("so the total is 1,200.50.") == "1200.5"
+    assert extract_number("first 3 then 4") == "4"
+    assert extract_number("#### -7") == "-7"
+    assert extract_number("12.0") == "12"
+    assert extract_number("no digits") == ""
+
+
+def test_bench_tiny_end_to_end(tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["bench", "--tiny", "--num-prompts", "2", "--max-new-tokens", "8", "--gammas", "2,4", "--out", str(out),
+            "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| method | tok/s |" in printed and "greedy outputs identical" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["greedy_identical"] is True
+    assert results["environment"]["torch"] and results["environment"]["transformers"]
+    methods = {r["method"] for r in results["results"]}
+    assert {"ar", "assisted", "assisted_g2", "assisted_g4", "ssd_g2", "ssd_g4", "ssd_g4_inline"} <= methods
+    assert {(r["dataset"], r["mode"]) for r in results["results"]} == {
+        ("humaneval", "greedy"), ("humaneval", "sample"), ("gsm", "greedy"), ("gsm", "sample")}
+    for r in results["results"]:
+        assert r["new_tokens"] > 0 and r["tokens_per_second"] > 0
+        if r["kind"] == "ssd":
+            assert 0 <= r["hit_rate"] <= 1 and 0 <= r["acceptance_rate"] <= 1 and r["predicted_speedup"] is not None
+    assert set(results["greedy_check"]) == {"humaneval", "gsm"}
+    assert all(c["exact_match"] == 1.0 for checks in results["greedy_check"].values() for c in checks.values())
+    assert set(results["gsm_accuracy"]["gsm"]) == {"greedy", "sample"}
+    md = (out / "results.md").read_text()
+    assert "speedup vs best assisted" in md and "token-identical to AR" in md and "T_ar_token" in md
+    for png in ("tok_s.png", "ssd_hit_acceptance.png", "speedup_vs_gamma.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markdown_reports_a_greedy_mismatch_loudly():
+    from hf_ssd.bench import FORMULA, render_markdown
+
+    row = {"dataset": "d", "mode": "greedy", "method": "ar", "kind": "ar", "gamma": None, "layout": None,
+           "tokens_per_second": 10.0, "speedup_vs_ar": 1.0, "speedup_vs_best_assisted": None}
+    results = {
+        "environment": {"target": "t", "draft": "d", "device": "cpu", "dtype": "float32", "torch_threads": 1,
+                        "torch": "x", "transformers": "y", "machine": "m", "cpu_count": 1, "date": "now"},
+        "settings": {"datasets": ["d"], "modes": ["greedy"], "num_prompts": 2, "max_new_tokens": 4,
+                     "sample_temperature": 0.7},
+        "results": [row],
+        "greedy_check": {"d": {"ssd_g2": {"num_mismatches": 1, "mismatch_indices": [1], "first_divergence": [-1, 3]}}},
+        "gsm_accuracy": {}, "layout_effect": [], "formula": FORMULA,
+    }
+    md = render_markdown(results)
+    assert "**MISMATCH** d · ssd_g2: 1 prompt(s) differ" in md and "[3]" in md
+    assert "| ar | 10.00 | 1.00× | — |" in md

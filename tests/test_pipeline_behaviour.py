@@ -1,0 +1,134 @@
+"""Behaviour of the speculator inside generate: real overlap, hit rate, stats, warnings."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from conftest import make_model, noisy_copy
+
+import hf_ssd
+
+
+def test_speculator_drafts_while_target_verifies(target, draft):
+    """Observe draft forwards on the speculator thread *during* the target's verify forwards.
+
+    The target's forward pre-hook waits (up to 10 s) until a draft forward runs on the speculator thread, so
+    the observation does not depend on timing: it fails only if no background draft work happens during a
+    verification.
+    """
+    state = {"calls": 0}
+    verifying = threading.Event()
+    seen = threading.Event()
+    overlapped = []
+
+    def target_pre(module, args, kwargs):
+        state["calls"] += 1
+        if state["calls"] == 1:
+            return  # prefill: nothing to verify yet, nothing speculated yet
+        verifying.set()
+        overlapped.append(seen.wait(timeout=10))
+        seen.clear()
+
+    def target_post(module, args, kwargs, output):
+        verifying.clear()
+
+    def draft_pre(module, args, kwargs):
+        if threading.current_thread().name == "hf_ssd-speculator":
+            # Hold background draft work until a verification is running, so that a fast speculator cannot
+            # finish before the target starts; then record that it ran during the verification.
+            if verifying.wait(timeout=10):
+                seen.set()
+
+    handles = [
+        target.register_forward_pre_hook(target_pre, with_kwargs=True),
+        target.register_forward_hook(target_post, with_kwargs=True),
+        draft.register_forward_pre_hook(draft_pre, with_kwargs=True),
+    ]
+    try:
+        ids = torch.tensor([[5, 6, 7, 8]])
+        out = target.generate(
+            ids, max_new_tokens=20, do_sample=False, eos_token_id=None, assistant_model=draft,
+            ssd_config=hf_ssd.SSDConfig(gamma=3, layout="thread", hit_rate_warning=0),
+        )
+    finally:
+        for h in handles:
+            h.remove()
+    assert out.shape[1] > 4
+    assert len(overlapped) >= 3
+    # Every verification overlapped with draft work on the speculator thread, except possibly the last one,
+    # after which no round can follow (nothing to pre-draft when the length budget is spent).
+    assert all(overlapped[:-1]), [i for i, o in enumerate(overlapped) if not o]
+
+
+def test_inline_layout_never_overlaps(target, draft):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                    ssd_config=hf_ssd.SSDConfig(layout="inline", hit_rate_warning=0))
+    stats = hf_ssd.last_stats(target)
+    assert stats.overlap_time == 0.0 and stats.bubble_ratio == 1.0
+
+
+def test_draft_equal_to_target_hits_almost_always():
+    target = make_model(11)
+    hf_ssd.enable(target)
+    same = noisy_copy(target, 0.0)
+    ids = torch.tensor([[3, 4, 5]])
+    ref = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    out = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, assistant_model=same,
+                          ssd_config=hf_ssd.SSDConfig(gamma=4, layout="inline"))
+    stats = hf_ssd.last_stats(target)
+    assert out.tolist() == ref.tolist()
+    assert stats.acceptance_rate > 0.95
+    assert stats.hit_rate >= 0.9 and stats.lookups >= 5
+
+
+def test_random_draft_is_still_exact_and_warns_about_hit_rate(caplog, random_draft):
+    target = make_model(12)
+    hf_ssd.enable(target)
+    ids = torch.tensor([[3, 4, 5]])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    with caplog.at_level(logging.WARNING, logger="hf_ssd"):
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None,
+                              assistant_model=random_draft, ssd_config=hf_ssd.SSDConfig(gamma=3, layout="inline",
+                                                                                         fanout_budget=1))
+    assert out.tolist() == ref.tolist()
+    stats = hf_ssd.last_stats(target)
+    assert stats.hit_rate < 0.6
+    assert "hit rate" in caplog.text
+
+
+def test_stats_are_consistent_and_on_dict_output(target, draft):
+    ids = torch.tensor([[9, 8, 7]])
+    out = target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, assistant_model=draft,
+                          return_dict_in_generate=True, ssd_config=hf_ssd.SSDConfig(hit_rate_warning=0))
+    stats = out.ssd_stats
+    assert stats is hf_ssd.last_stats(target)
+    assert stats.new_tokens == out.sequences.shape[1] - 3 == 16
+    # Every round after the first looks the cache up, except a last one with no room for candidates.
+    assert stats.rounds - 2 <= stats.lookups <= stats.rounds - 1
+    assert stats.new_tokens == stats.accepted_tokens + stats.rounds
+    assert 0.0 <= stats.bubble_ratio <= 1.0 and stats.wall_time > 0
+    assert stats.cache_misses == sum(stats.fallbacks.values())
+    assert "hit rate" in stats.summary()
+    d = stats.to_dict()
+    assert d["hit_rate"] == stats.hit_rate and "timeline" not in d
+
+
+def test_config_object_identity_is_kept(target, draft):
+    config = hf_ssd.SSDConfig(hit_rate_warning=0)
+    seen = []
+    original = target._get_candidate_generator
+
+    def spy(*args, **kwargs):
+        gen = original(*args, **kwargs)
+        seen.append(gen.config)
+        return gen
+
+    target._get_candidate_generator = spy
+    try:
+        target.generate(torch.tensor([[4, 5]]), max_new_tokens=4, assistant_model=draft, ssd_config=config)
+    finally:
+        target._get_candidate_generator = original
+    assert seen and seen[0] is config

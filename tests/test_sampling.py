@@ -1,0 +1,156 @@
+"""Sampled SSD output has exactly the target's distribution.
+
+The exact joint distribution of the first L generated tokens is computed by enumerating every prefix on a
+6-token vocabulary (with the same logits processors as generate), then N SSD samples are compared with it by
+chi-square tests on each position's marginal and on the pairs (t1, t2) and (t3, t4), which span the first
+(fallback-drafted) round and the later (cache hit) rounds. Each test family uses a per-statistic threshold
+of 1e-4 / 6 (Bonferroni), so a correct implementation fails a parametrized case with probability < 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, noisy_copy
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+import hf_ssd
+
+V = 6
+L = 4
+N = 700
+ALPHA = 1e-4 / 6
+PROMPT = [2, 3]
+GEN = dict(do_sample=True, temperature=0.9, top_k=5, top_p=0.95, repetition_penalty=1.2)
+
+
+def processors() -> LogitsProcessorList:
+    # Same order as transformers builds them: penalties first, then temperature, top-k, top-p.
+    return LogitsProcessorList([
+        RepetitionPenaltyLogitsProcessor(GEN["repetition_penalty"]),
+        TemperatureLogitsWarper(GEN["temperature"]),
+        TopKLogitsWarper(GEN["top_k"]),
+        TopPLogitsWarper(GEN["top_p"]),
+    ])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_model(3, vocab_size=V, hidden=32)
+    target.generation_config.eos_token_id = None  # every sample has exactly L new tokens
+    target.config.eos_token_id = None
+    draft = noisy_copy(target, 0.3, seed=5)  # clearly different: the rejection/residual paths matter
+    draft.generation_config.eos_token_id = None
+    draft.config.eos_token_id = None
+    hf_ssd.enable(target)
+    return target, draft
+
+
+@torch.no_grad()
+def exact_joint(target) -> dict[tuple[int, ...], float]:
+    procs = processors()
+    joint = {(): 1.0}
+    for _ in range(L):
+        nxt = {}
+        for prefix, p in joint.items():
+            ids = torch.tensor([PROMPT + list(prefix)])
+            logits = target(ids).logits[:, -1].double()
+            probs = torch.softmax(procs(ids, logits), dim=-1)[0]
+            for t in range(V):
+                if probs[t] > 0:
+                    nxt[prefix + (t,)] = p * float(probs[t])
+        joint = nxt
+    return joint
+
+
+def chi_square_p(observed: dict, expected: dict, n: int) -> float:
+    """p-value of a chi-square goodness-of-fit test, pooling cells with expected count < 5."""
+    cells = sorted(expected, key=lambda c: expected[c])
+    stat, dof, pool_e, pool_o = 0.0, -1, 0.0, 0
+    for c in cells:
+        pool_e += expected[c] * n
+        pool_o += observed.get(c, 0)
+        if pool_e >= 5:
+            stat += (pool_o - pool_e) ** 2 / pool_e
+            dof += 1
+            pool_e, pool_o = 0.0, 0
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / max(pool_e, 1e-9)
+        dof += 1
+    assert not set(observed) - set(expected), f"sampled impossible outcomes: {set(observed) - set(expected)}"
+    # chi-square survival function: the regularized upper incomplete gamma Q(dof / 2, stat / 2)
+    k = torch.tensor(max(dof, 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(k, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def marginal(joint: dict, positions: tuple[int, ...]) -> dict:
+    out: dict = {}
+    for seq, p in joint.items():
+        key = tuple(seq[i] for i in positions)
+        out[key] = out.get(key, 0.0) + p
+    return out
+
+
+CASES = {
+    "plain": dict(gamma=2),
+    "saguaro": dict(gamma=2, saguaro_c=0.5),
+    "saguaro0": dict(gamma=3, saguaro_c=0.0, fanout_budget=4),
+    "fallback_sd": dict(gamma=2, fanout_budget=1, fallback="sd"),
+    "fallback_short": dict(gamma=3, fanout_budget=1, fallback="short"),
+    "fallback_ar": dict(gamma=2, fanout_budget=1, fallback="ar"),
+    "fallback_ngram": dict(gamma=2, fanout_budget=1, fallback="ngram", ngram_size=1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_matches_target_distribution(pair, case):
+    target, draft = pair
+    joint = exact_joint(target)
+    config = hf_ssd.SSDConfig(layout="inline", hit_rate_warning=0, **CASES[case])
+    torch.manual_seed(1234)
+    samples, hits, misses = [], 0, 0
+    ids = torch.tensor([PROMPT])
+    for _ in range(N):
+        out = target.generate(ids, max_new_tokens=L, assistant_model=draft, ssd_config=config, **GEN)
+        samples.append(tuple(out[0, len(PROMPT) :].tolist()))
+        stats = hf_ssd.last_stats(target)
+        hits, misses = hits + stats.cache_hits, misses + stats.cache_misses
+    # The test must exercise both paths, or it would not prove much.
+    assert hits > 0 and (misses > 0 or config.fallback == "sd"), (hits, misses)
+    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
+        observed: dict = {}
+        for s in samples:
+            key = tuple(s[i] for i in positions)
+            observed[key] = observed.get(key, 0) + 1
+        p = chi_square_p(observed, marginal(joint, positions), N)
+        assert p > ALPHA, f"{case}: positions {positions} deviate from the target distribution (p={p:.2e})"
+
+
+def test_chi_square_detects_a_wrong_distribution(pair):
+    """The statistic has power: samples from the draft alone (not the target) are rejected."""
+    target, draft = pair
+    joint = exact_joint(target)
+    torch.manual_seed(99)
+    samples = [
+        tuple(draft.generate(torch.tensor([PROMPT]), max_new_tokens=L, **GEN)[0, len(PROMPT) :].tolist())
+        for _ in range(N)
+    ]
+    pvals = []
+    for positions in [(0,), (1,), (0, 1), (2, 3)]:
+        observed: dict = {}
+        for s in samples:
+            key = tuple(s[i] for i in positions)
+            observed[key] = observed.get(key, 0) + 1
+        expected = marginal(joint, positions)
+        if set(observed) - set(expected):
+            pvals.append(0.0)
+            continue
+        pvals.append(chi_square_p(observed, expected, N))
+    assert min(pvals) < ALPHA
+
+
+def test_all_outcomes_enumerated(pair):
+    joint = exact_joint(pair[0])
+    assert abs(sum(joint.values()) - 1.0) < 1e-9
+    assert all(len(k) == L for k in joint)

@@ -1,0 +1,134 @@
+"""Unit tests of the SSD parts: fan-out allocation, outcome prediction, speculation cache, config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import hf_ssd
+from hf_ssd.cache import Branch, SpeculationCache
+from hf_ssd.fallback import ngram_lookup, one_hot_logits
+from hf_ssd.fanout import AcceptanceTracker, acceptance_length_probs, geometric_fanout
+from hf_ssd.outcomes import predict_outcomes
+
+
+@given(budget=st.integers(0, 200), alpha=st.floats(0.0, 1.0), gamma=st.integers(1, 12))
+def test_geometric_fanout_sums_to_budget_and_is_monotone(budget, alpha, gamma):
+    counts = geometric_fanout(budget, alpha, gamma)
+    assert len(counts) == gamma + 1
+    assert sum(counts) == budget
+    assert all(c >= 0 for c in counts)
+    if alpha < 1.0:
+        # P(k) decreases along k < gamma, so the fan-out never grows there.
+        assert all(counts[k] >= counts[k + 1] for k in range(gamma - 1))
+
+
+def test_geometric_fanout_follows_acceptance():
+    low = geometric_fanout(12, 0.2, 4)
+    high = geometric_fanout(12, 0.9, 4)
+    assert low[0] > high[0]  # low acceptance: early rejection is the likely outcome
+    assert high[4] > low[4]  # high acceptance: all accepted is likely
+    assert geometric_fanout(10, 0.5, 3) == [5, 3, 1, 1]
+
+
+def test_acceptance_length_probs_sum_to_one():
+    for alpha in (0.0, 0.3, 0.99, 1.0):
+        assert abs(sum(acceptance_length_probs(alpha, 5)) - 1.0) < 1e-12
+
+
+def test_acceptance_tracker_moves_towards_observed_rate():
+    tracker = AcceptanceTracker(prior=0.5)
+    for _ in range(50):
+        tracker.update(4, 4)
+    assert tracker.rate > 0.95
+    for _ in range(200):
+        tracker.update(0, 4)
+    assert tracker.rate < 0.3
+
+
+def _top(pairs):
+    probs, ids = zip(*pairs)
+    return torch.tensor(probs), torch.tensor(ids)
+
+
+def test_predict_outcomes_excludes_drafted_token_and_ranks():
+    candidates = [7, 8]
+    tops = [
+        _top([(0.6, 7), (0.3, 3), (0.1, 4)]),  # predicting candidate 1 (=7): rejection bonus is 3 or 4
+        _top([(0.5, 8), (0.4, 5), (0.1, 6)]),  # predicting candidate 2 (=8)
+        _top([(0.9, 9), (0.1, 2)]),  # after the last candidate: the bonus itself
+    ]
+    outcomes = predict_outcomes(candidates, tops, fanout=[2, 1, 1], alpha=0.5, max_outcomes=10)
+    keys = {(o.accepted, o.bonus) for o in outcomes}
+    assert keys == {(0, 3), (0, 4), (1, 5), (2, 9)}
+    assert (0, 7) not in keys and (1, 8) not in keys
+    probs = [o.prob for o in outcomes]
+    assert probs == sorted(probs, reverse=True)
+    # P(k=0) = 0.5; the bonus 3 has 0.3 of the 0.4 mass left after excluding the drafted token.
+    first = {(o.accepted, o.bonus): o.prob for o in outcomes}
+    assert first[(0, 3)] == pytest.approx(0.5 * 0.75)
+    assert len(predict_outcomes(candidates, tops, [2, 1, 1], 0.5, max_outcomes=2)) == 2
+
+
+def test_predict_outcomes_without_candidates_predicts_next_token():
+    outcomes = predict_outcomes([], [_top([(0.7, 1), (0.2, 2), (0.1, 3)])], [2], alpha=0.5, max_outcomes=8)
+    assert [(o.accepted, o.bonus) for o in outcomes] == [(0, 1), (0, 2)]
+
+
+def _branch(round_id, k, bonus, prob):
+    return Branch(round_id, k, bonus, prob, [1])
+
+
+def test_cache_never_exceeds_capacity_and_evicts_by_policy():
+    cache = SpeculationCache(3, "probability")
+    for i, p in enumerate([0.5, 0.1, 0.3, 0.4]):
+        cache.put(_branch(1, i, i, p))
+        assert len(cache) <= 3
+    assert cache.get(1, 1, 1) is None  # the least likely went first
+    assert cache.get(1, 0, 0) is not None and cache.evictions == 1
+
+    lru = SpeculationCache(2, "lru")
+    lru.put(_branch(1, 0, 0, 0.9))
+    lru.put(_branch(1, 1, 1, 0.1))
+    assert lru.get(1, 0, 0) is not None  # touch: now (1,1,1) is least recently used
+    lru.put(_branch(1, 2, 2, 0.5))
+    assert lru.get(1, 1, 1) is None and lru.get(1, 0, 0) is not None
+
+
+def test_cache_hit_miss_and_stale_rounds():
+    cache = SpeculationCache(8)
+    cache.put(_branch(3, 1, 42, 0.2))
+    assert cache.get(3, 1, 42) is not None
+    assert cache.get(3, 1, 41) is None  # other bonus: miss
+    assert cache.get(3, 2, 42) is None  # other accepted count: miss
+    cache.begin_round(4)
+    assert len(cache) == 0  # earlier rounds can never hit again
+
+
+def test_ngram_lookup_and_one_hot():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2], n=3, max_ngram=2) == [3, 9, 1]
+    assert ngram_lookup([1, 2, 3], n=3, max_ngram=2) == []
+    logits = one_hot_logits([2, 0], vocab=4, device="cpu")
+    assert torch.equal(logits.softmax(-1), torch.tensor([[0.0, 0, 1, 0], [1.0, 0, 0, 0]]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, phrase",
+    [
+        ({"gamma": 0}, "gamma"),
+        ({"gamma": 2.5}, "gamma must be an int"),
+        ({"fanout": [1, 2]}, r"gamma \+ 1"),
+        ({"fanout": "linear"}, "fanout"),
+        ({"eviction": "fifo"}, "eviction"),
+        ({"fallback": "none"}, "fallback"),
+        ({"saguaro_c": 1.0}, "saguaro_c"),
+        ({"layout": "gpu"}, "layout"),
+        ({"cache_size": 0}, "cache_size"),
+        ({"hit_rate_warning": 2}, "hit_rate_warning"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, phrase):
+    with pytest.raises(hf_ssd.SSDConfigError, match=phrase):
+        hf_ssd.SSDConfig(**kwargs)
