@@ -217,16 +217,25 @@ def test_stopping_criteria(target, close_draft):
     assert len(out) - first <= gamma + 1, "generation went on for more than one round after the stop token"
 
 
-def test_stop_strings(target, close_draft):
+def test_stop_strings(target, twin):
+    """Stop strings work with ssd_config. transformers matches them at the end of the sequence once per round (as
+    in its own assisted decoding), so the stop string here is the token that ends a round: found with a first
+    inline run (inline rounds are deterministic), then generation must end exactly there."""
     tok = tiny_tokenizer()
-    gamma, limit = 4, 40
+    config = SSDConfig(gamma=4, layout="inline", record_timeline=True, **QUIET)
+    limit, n = 40, PROMPT.shape[1]
     long_ref = alone(target, max_new_tokens=limit)[0].tolist()
-    stop_token = long_ref[PROMPT.shape[1] + 8]
-    out = with_ssd(target, close_draft, max_new_tokens=limit, stop_strings=[text_of([stop_token])],
-                   tokenizer=tok)[0].tolist()
-    assert out == long_ref[: len(out)]
-    first = out.index(stop_token, PROMPT.shape[1])
-    assert len(out) - first <= gamma + 1
+    assert with_ssd(target, twin, config=config, max_new_tokens=limit)[0].tolist() == long_ref
+    ends, length = [], n
+    for event in hf_ssd.last_stats(target).timeline:
+        length += event["accepted"] + 1
+        ends.append(length)
+    # The first round end (after the first two rounds) whose token has not appeared before it.
+    end = next(e for e in ends[2:] if long_ref[e - 1] not in long_ref[n : e - 1])
+    assert end < len(long_ref)
+    out = with_ssd(target, twin, config=config, max_new_tokens=limit, stop_strings=[text_of([long_ref[end - 1]])],
+                   tokenizer=tok)
+    assert out[0].tolist() == long_ref[:end]
 
 
 @pytest.fixture(scope="module")
