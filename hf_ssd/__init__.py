@@ -7,6 +7,7 @@
 """
 
 from .config import SSDConfig, SSDConfigError
+from .drafter import UnsupportedDraftError
 from .integration import SSDUsageError, disable, enable, is_enabled, last_stats
 from .layouts import LayoutError
 from .stats import SSDStats
@@ -17,6 +18,7 @@ __all__ = [
     "SSDConfigError",
     "SSDStats",
     "SSDUsageError",
+    "UnsupportedDraftError",
     "LayoutError",
     "disable",
     "enable",

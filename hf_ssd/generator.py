@@ -45,10 +45,14 @@ class SSDCandidateGenerator(CandidateGenerator):
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = set(eos.flatten().tolist()) if eos is not None else set()
         do_sample = bool(generation_config.do_sample)
-        # The speculator draws from its own generator, seeded from the caller's RNG, so seeded runs repeat.
-        seed = int(torch.randint(0, 2**62, (1,)))
-        gen = torch.Generator(device=draft_model.device)
-        gen.manual_seed(seed)
+        # When sampling, the speculator draws from its own generator, seeded from the caller's RNG: draws on two
+        # threads never interleave on one generator. Seeded runs repeat exactly with layout="inline"; with
+        # overlap, how far pre-drafting got when the outcome arrived can differ between runs (the output
+        # distribution is exact either way). Greedy calls leave the caller's RNG alone.
+        gen = None
+        if do_sample:
+            gen = torch.Generator(device=draft_model.device)
+            gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
         top_k = max(self._max_fanout(), 1) + 1
         self.drafter = Drafter(draft_model, logits_processor, do_sample, top_k, config.saguaro_c, gen, out_vocab)
         self.cache = SpeculationCache(config.cache_size, config.eviction)

@@ -12,8 +12,11 @@ import functools
 import logging
 import threading
 import time
+import types
+import weakref
 
 import torch
+from transformers import GenerationMixin
 
 from .config import SSDConfig
 from .generator import SSDCandidateGenerator
@@ -24,7 +27,7 @@ logger = logging.getLogger("hf_ssd")
 
 _MARK = "_hf_ssd_enabled"
 _active = threading.local()  # the SSD call in progress on this thread: (model id, config, draft, hooks)
-_last_stats: dict[int, SSDStats] = {}
+_last_stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> SSDStats
 _stats_lock = threading.Lock()
 
 
@@ -41,34 +44,34 @@ def enable(model):
         )
     if getattr(model, _MARK, False):
         return model
-    original_generate = model.generate  # bound method of the class
-    original_get = model._get_candidate_generator
-
-    @functools.wraps(original_generate)
-    def generate(*args, ssd_config: SSDConfig | None = None, **kwargs):
-        if ssd_config is None:
-            return original_generate(*args, **kwargs)
-        return _ssd_generate(model, original_generate, ssd_config, args, kwargs)
-
-    def _get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, **kwargs):
-        call = getattr(_active, "call", None)
-        if call is None or call["model"] is not model:
-            return original_get(generation_config=generation_config, input_ids=input_ids,
-                                inputs_tensor=inputs_tensor, logits_processor=logits_processor,
-                                model_kwargs=model_kwargs, assistant_model=assistant_model, **kwargs)
-        gen = SSDCandidateGenerator(
-            assistant_model, call["config"], generation_config, logits_processor, call["layout"],
-            out_vocab=model.config.get_text_config().vocab_size, cpu_threads=call["cpu_threads"],
-            hooks=call["hooks"],
-        )
-        call["generator"] = gen
-        return gen
-
-    model.generate = generate
-    model._get_candidate_generator = _get_candidate_generator
+    # Bound methods, not closures: copy.deepcopy rebinds them to the copy, so a copied model runs itself.
+    model.generate = types.MethodType(_generate, model)
+    model._get_candidate_generator = types.MethodType(_get_candidate_generator, model)
     setattr(model, _MARK, True)
     return model
+
+
+@functools.wraps(GenerationMixin.generate)
+def _generate(self, *args, ssd_config: SSDConfig | None = None, **kwargs):
+    if ssd_config is None:
+        return type(self).generate(self, *args, **kwargs)
+    return _ssd_generate(self, ssd_config, args, kwargs)
+
+
+def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                             assistant_model=None, **kwargs):
+    call = getattr(_active, "call", None)
+    if call is None or call["model"] is not self:
+        return type(self)._get_candidate_generator(
+            self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model, **kwargs,
+        )
+    gen = SSDCandidateGenerator(
+        assistant_model, call["config"], generation_config, logits_processor, call["layout"],
+        out_vocab=self.config.get_text_config().vocab_size, cpu_threads=call["cpu_threads"], hooks=call["hooks"],
+    )
+    call["generator"] = gen
+    return gen
 
 
 def disable(model):
@@ -86,10 +89,10 @@ def is_enabled(model) -> bool:
 def last_stats(model) -> SSDStats | None:
     """Statistics of the latest SSD `generate` call on `model` (any thread)."""
     with _stats_lock:
-        return _last_stats.get(id(model))
+        return _last_stats.get(model)
 
 
-def _ssd_generate(model, original_generate, config: SSDConfig, args, kwargs):
+def _ssd_generate(model, config: SSDConfig, args, kwargs):
     if not isinstance(config, SSDConfig):
         raise SSDUsageError(f"ssd_config must be an hf_ssd.SSDConfig, got {type(config).__name__}.")
     config.validate()
@@ -106,12 +109,11 @@ def _ssd_generate(model, original_generate, config: SSDConfig, args, kwargs):
         call["cpu_threads"] = cpu_threads
         _active.call = call
         try:
-            out = original_generate(*args, **kwargs)
-        finally:
-            _active.call = None
-            gen = call["generator"]
-            if gen is not None:
-                gen.close()  # background work never outlives generate
+            out = type(model).generate(model, *args, **kwargs)
+        except BaseException:
+            _close(call, raise_pending=False)  # the error already propagating is the one to report
+            raise
+        _close(call, raise_pending=True)  # a failure of the last (unused) speculation job still surfaces
     end = time.perf_counter()
     gen = call["generator"]
     stats = gen.stats if gen is not None else SSDStats(layout=layout)
@@ -125,7 +127,7 @@ def _ssd_generate(model, original_generate, config: SSDConfig, args, kwargs):
                 "wall": (start, end),
             }
     with _stats_lock:
-        _last_stats[id(model)] = stats
+        _last_stats[model] = stats
     if (
         config.hit_rate_warning > 0
         and stats.lookups >= 4
@@ -141,6 +143,16 @@ def _ssd_generate(model, original_generate, config: SSDConfig, args, kwargs):
     return out
 
 
+def _close(call: dict, raise_pending: bool) -> None:
+    """Stop the speculator (background work never outlives generate) and leave this thread's call."""
+    _active.call = None
+    gen = call["generator"]
+    if gen is not None:
+        gen.close()
+        if raise_pending:
+            gen.speculator.raise_pending()
+
+
 def _validate_call(model, draft, args, kwargs) -> None:
     if draft is None:
         raise SSDUsageError(
@@ -152,10 +164,14 @@ def _validate_call(model, draft, args, kwargs) -> None:
             "SSD needs the draft and the target to share one tokenizer; remove assistant_tokenizer (universal "
             "assisted generation across tokenizers is not supported with ssd_config)."
         )
+    if kwargs.get("inputs_embeds") is not None:
+        raise SSDUsageError(
+            "SSD drafts from token ids; pass input_ids instead of inputs_embeds (the draft has its own embeddings)."
+        )
     gen_config = kwargs.get("generation_config") or model.generation_config
     merged = {k: kwargs.get(k, getattr(gen_config, k, None)) for k in (
         "num_beams", "num_return_sequences", "penalty_alpha", "prompt_lookup_num_tokens", "num_beam_groups",
-        "do_sample", "assistant_early_exit",
+        "do_sample", "assistant_early_exit", "assistant_ensemble_weight",
     )}
     if (merged["num_beams"] or 1) > 1:
         raise SSDUsageError("SSD supports greedy and sampling only; beam search (num_beams > 1) is not supported.")
@@ -167,6 +183,11 @@ def _validate_call(model, draft, args, kwargs) -> None:
         raise SSDUsageError(
             "prompt_lookup_num_tokens / assistant_early_exit pick another candidate generator; for n-gram "
             "lookup use SSDConfig(fallback='ngram') instead."
+        )
+    if merged["assistant_ensemble_weight"] is not None:
+        raise SSDUsageError(
+            "assistant_ensemble_weight relaxes verification (not lossless); SSD keeps the target's exact output. "
+            "Remove assistant_ensemble_weight."
         )
     inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:

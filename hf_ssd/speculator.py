@@ -56,7 +56,7 @@ class Speculator:
         """Signal that the outcome is known, wait for the job, and raise its error here if it failed."""
         self._arrived.set()
         self._done.wait()
-        self._raise_pending()
+        self.raise_pending()
 
     def close(self) -> None:
         """Stop the background thread; never leaves it running after `generate` returns or raises."""
@@ -84,7 +84,7 @@ class Speculator:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     # ----- internals -------------------------------------------------------------------------------------
-    def _raise_pending(self) -> None:
+    def raise_pending(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise err

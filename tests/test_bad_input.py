@@ -304,11 +304,9 @@ def test_generate_without_cache(target, draft):
         _gen(target, draft, use_cache=False)
 
 
-# ----- inputs SSD should reject clearly but does not (bugs, see the report) ---------------------------------------
+# ----- inputs rejected before generation starts ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="bug: inputs_embeds with ssd_config fails deep inside the draft's embedding")
 def test_inputs_embeds(target, draft):
     embeds = target.get_input_embeddings()(PROMPT)
     with pytest.raises(SSDUsageError, match="inputs_embeds"):

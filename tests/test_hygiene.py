@@ -122,7 +122,6 @@ def test_save_pretrained_writes_nothing_ssd_specific(fresh, tmp_path):
                        model.generate(PROMPT, max_new_tokens=8, do_sample=False))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the deep copy's generate is the closure bound to the original model")
 def test_deepcopy_of_enabled_model_generates_with_the_copy(fresh):
     model, draft = fresh
     hf_ssd.enable(model)
@@ -177,7 +176,6 @@ def test_no_logging_configuration():
     assert logging.getLogger("hf_ssd").level == logging.NOTSET
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a greedy SSD call draws from the global torch RNG (speculator seed)")
 def test_greedy_call_leaves_global_rng_alone(target, draft):
     torch.manual_seed(0)
     target.generate(PROMPT, max_new_tokens=8, do_sample=False)

@@ -14,7 +14,7 @@ import hf_ssd
 def test_speculator_drafts_while_target_verifies(target, draft):
     """Observe draft forwards on the speculator thread *during* the target's verify forwards.
 
-    The target's forward pre-hook waits (up to 10 s) until a draft forward runs on the speculator thread, so
+    The target's forward pre-hook waits (up to 3 s) until a draft forward runs on the speculator thread, so
     the observation does not depend on timing: it fails only if no background draft work happens during a
     verification.
     """
@@ -28,7 +28,7 @@ def test_speculator_drafts_while_target_verifies(target, draft):
         if state["calls"] == 1:
             return  # prefill: nothing to verify yet, nothing speculated yet
         verifying.set()
-        overlapped.append(seen.wait(timeout=10))
+        overlapped.append(seen.wait(timeout=3))
         seen.clear()
 
     def target_post(module, args, kwargs, output):
@@ -38,7 +38,7 @@ def test_speculator_drafts_while_target_verifies(target, draft):
         if threading.current_thread().name == "hf_ssd-speculator":
             # Hold background draft work until a verification is running, so that a fast speculator cannot
             # finish before the target starts; then record that it ran during the verification.
-            if verifying.wait(timeout=10):
+            if verifying.wait(timeout=3):
                 seen.set()
 
     handles = [
