@@ -69,7 +69,7 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
     if with_gamma:
         g.add_argument("--layout", choices=LAYOUTS, default=d.layout, help="where the speculator runs")
     g.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
-                   help="torch threads for each of verifier and speculator on CPU (default: cores // 2)")
+                   help="torch threads for each of verifier and speculator on CPU (default: the torch thread setting)")
 
 
 def ssd_options(args) -> dict:

@@ -36,8 +36,11 @@ class SSDConfig:
         fanout: `"geometric"` to split `fanout_budget` across acceptance lengths k = 0..gamma in proportion to
             the probability of each k under the measured acceptance rate, or an explicit list of gamma + 1
             ints (the number of bonus tokens to pre-draft for each k).
-        fanout_budget: total number of predicted outcomes per round for the geometric allocation.
-        max_outcomes: outcome-space truncation: keep at most this many most likely outcomes per round.
+        fanout_budget: total number of predicted outcomes per round for the geometric allocation. `None`
+            picks by layout: 8 where the speculator has a GPU (batched branches are nearly free there), 1 on CPU
+            (each extra branch slows every draft step; measured best on the 2-core reference machine).
+        max_outcomes: outcome-space truncation: keep at most this many most likely outcomes per round
+            (`None`: the fan-out budget, or the sum of an explicit fan-out list).
         cache_size: capacity of the speculation cache (entries); never exceeded.
         eviction: `"lru"` (least recently used first) or `"probability"` (least likely outcome first).
         fallback: what a cache miss does: `"sd"` drafts gamma tokens now, `"short"` drafts `fallback_gamma`
@@ -50,15 +53,16 @@ class SSDConfig:
         initial_acceptance: acceptance-rate prior used before any round was verified.
         layout: where the speculator runs: `"auto"`, `"thread"` (CPU thread), `"stream"` (own CUDA stream on
             the target's GPU), `"device"` (draft on its own device), `"inline"` (no overlap; for comparison).
-        cpu_threads: torch intra-op threads for each of verifier and speculator on CPU (`None`: cores // 2).
+        cpu_threads: torch intra-op threads for each of verifier and speculator on CPU (`None`: the caller's
+            `torch.get_num_threads()`, all cores by default).
         hit_rate_warning: warn when a call's cache hit rate is below this (0 disables).
         record_timeline: keep per-round timing events in the stats (for `hf_ssd.plot_timeline`).
     """
 
     gamma: int = 4
     fanout: Literal["geometric"] | list[int] = "geometric"
-    fanout_budget: int = 8
-    max_outcomes: int = 8
+    fanout_budget: int | None = None
+    max_outcomes: int | None = None
     cache_size: int = 64
     eviction: Literal["lru", "probability"] = "probability"
     fallback: Literal["sd", "short", "ar", "ngram"] = "sd"
@@ -91,8 +95,10 @@ class SSDConfig:
             raise SSDConfigError(
                 f"SSDConfig.fanout must be 'geometric' or a list of ints, got {type(self.fanout).__name__}."
             )
-        _check_int("fanout_budget", self.fanout_budget, 0, 4096)
-        _check_int("max_outcomes", self.max_outcomes, 0, 4096)
+        if self.fanout_budget is not None:
+            _check_int("fanout_budget", self.fanout_budget, 0, 4096)
+        if self.max_outcomes is not None:
+            _check_int("max_outcomes", self.max_outcomes, 0, 4096)
         _check_int("cache_size", self.cache_size, 1)
         _check_choice("eviction", self.eviction, EVICTIONS)
         _check_choice("fallback", self.fallback, FALLBACKS)
@@ -115,6 +121,16 @@ class SSDConfig:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         if not isinstance(self.record_timeline, bool):
             raise SSDConfigError(f"SSDConfig.record_timeline must be a bool, got {self.record_timeline!r}.")
+
+    def resolved_budget(self, layout: str, on_gpu: bool) -> tuple[int, int]:
+        """(fan-out budget, max outcomes) with the `None` defaults filled in for this placement."""
+        budget = self.fanout_budget
+        if budget is None:
+            budget = 8 if on_gpu else 1
+        limit = self.max_outcomes
+        if limit is None:
+            limit = sum(self.fanout) if isinstance(self.fanout, list) else budget
+        return budget, limit
 
     @property
     def effective_fallback_gamma(self) -> int:

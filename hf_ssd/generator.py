@@ -45,6 +45,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = set(eos.flatten().tolist()) if eos is not None else set()
         do_sample = bool(generation_config.do_sample)
+        self.budget, self.max_outcomes = config.resolved_budget(layout, draft_model.device.type == "cuda")
         # When sampling, the speculator draws from its own generator, seeded from the caller's RNG: draws on two
         # threads never interleave on one generator. Seeded runs repeat exactly with layout="inline"; with
         # overlap, how far pre-drafting got when the outcome arrived can differ between runs (the output
@@ -71,12 +72,12 @@ class SSDCandidateGenerator(CandidateGenerator):
     def _max_fanout(self) -> int:
         if isinstance(self.config.fanout, list):
             return max(self.config.fanout)
-        return self.config.fanout_budget
+        return self.budget
 
     def _fanout(self, g: int, alpha: float) -> list[int]:
         if isinstance(self.config.fanout, list):
             return self.config.fanout[: g + 1] + [0] * max(0, g + 1 - len(self.config.fanout))
-        return geometric_fanout(self.config.fanout_budget, alpha, g)
+        return geometric_fanout(self.budget, alpha, g)
 
     def _hook(self, stage: str) -> None:
         hook = self.hooks.get(stage)
@@ -169,7 +170,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         g = len(candidates)
         fanout = self._fanout(g, alpha)
         next_fanout = self._fanout(self.config.gamma, alpha)
-        limit = min(self.config.max_outcomes, self.config.cache_size)
+        limit = min(self.max_outcomes, self.config.cache_size)
         gamma = self.config.gamma
 
         def job(should_stop):

@@ -80,7 +80,7 @@ CONFIG_CASES = [
     ({"fanout_budget": 4097}, "SSDConfig.fanout_budget must be between 0 and 4096"),
     ({"fanout_budget": "8"}, "SSDConfig.fanout_budget must be an int"),
     ({"max_outcomes": -1}, "SSDConfig.max_outcomes must be between 0 and 4096"),
-    ({"max_outcomes": None}, "SSDConfig.max_outcomes must be an int"),
+    ({"max_outcomes": 2.5}, "SSDConfig.max_outcomes must be an int"),
     ({"cache_size": 0}, "SSDConfig.cache_size must be >= 1"),
     ({"cache_size": 2.5}, "SSDConfig.cache_size must be an int"),
     ({"eviction": "fifo"}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
@@ -311,6 +311,12 @@ def test_inputs_embeds(target, draft):
     embeds = target.get_input_embeddings()(PROMPT)
     with pytest.raises(SSDUsageError, match="inputs_embeds"):
         target.generate(inputs_embeds=embeds, assistant_model=draft, max_new_tokens=4, ssd_config=SSDConfig())
+
+
+def test_assistant_ensemble_weight(target, draft):
+    with pytest.raises(SSDUsageError, match="Remove assistant_ensemble_weight"):
+        target.generate(PROMPT, assistant_model=draft, max_new_tokens=4, do_sample=True,
+                        assistant_ensemble_weight=0.5, ssd_config=SSDConfig())
 
 
 # ----- fetch ----------------------------------------------------------------------------------------------------

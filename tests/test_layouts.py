@@ -191,8 +191,13 @@ def test_inline_layout_runs_on_the_callers_thread(target, close_draft, two_torch
     assert not speculator_threads()
 
 
-def test_default_cpu_threads_split_the_cores():
-    assert layouts_mod.default_cpu_threads() == max(1, (os.cpu_count() or 2) // 2)
+def test_default_cpu_threads_follow_the_torch_setting():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert layouts_mod.default_cpu_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("layout", ["thread", "inline"])

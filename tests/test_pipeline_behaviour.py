@@ -77,7 +77,7 @@ def test_draft_equal_to_target_hits_almost_always():
     ids = torch.tensor([[3, 4, 5]])
     ref = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
     out = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, assistant_model=same,
-                          ssd_config=hf_ssd.SSDConfig(gamma=4, layout="inline"))
+                          ssd_config=hf_ssd.SSDConfig(gamma=4, fanout_budget=4, layout="inline"))
     stats = hf_ssd.last_stats(target)
     assert out.tolist() == ref.tolist()
     assert stats.acceptance_rate > 0.95

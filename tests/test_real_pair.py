@@ -35,7 +35,7 @@ def test_real_pair_ssd_greedy_equals_target(real_pair):
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     ref = target.generate(ids, max_new_tokens=32, do_sample=False)
     out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=draft,
-                          ssd_config=hf_ssd.SSDConfig(gamma=4, fanout_budget=2, hit_rate_warning=0))
+                          ssd_config=hf_ssd.SSDConfig(gamma=4, hit_rate_warning=0))
     assert out.tolist() == ref.tolist()
     stats = hf_ssd.last_stats(target)
     assert stats.new_tokens == 32 and stats.cache_hits > 0
