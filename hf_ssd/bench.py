@@ -37,7 +37,7 @@ import torch
 from .config import SSDConfig
 from .integration import enable, last_stats
 from .prompts import encode_prompt, extract_number, load_prompts
-from .timeline import Intervals, record_intervals
+from .timeline import Intervals
 
 METRIC_PATH = str(Path(__file__).with_name("metrics") / "ssd_match.py")
 FORMULA = (
@@ -120,7 +120,6 @@ class Runner:
         if do_sample:
             kwargs["temperature"] = SAMPLE_TEMPERATURE
         settings = contextlib.nullcontext()
-        recorder = contextlib.nullcontext()
         if method.kind != "ar":
             kwargs["assistant_model"] = self.draft
         if method.kind == "assisted_tuned":
@@ -131,9 +130,8 @@ class Runner:
             options = {**self.ssd_options, "gamma": method.gamma, "layout": method.layout,
                        "record_timeline": True, "hit_rate_warning": 0.0}
             kwargs["ssd_config"] = SSDConfig(**options)
-            recorder = record_intervals(self.target)
         torch.manual_seed(seed)  # same seed for every method: sampled runs differ only by the method
-        with settings, recorder as rec, torch.inference_mode():
+        with settings, torch.inference_mode():
             self._sync()
             start = time.perf_counter()
             out = self.target.generate(input_ids, **kwargs)
@@ -142,7 +140,8 @@ class Runner:
         tokens = out[0, len(ids):].tolist()
         if method.kind != "ssd":
             return CallResult(tokens, seconds)
-        return CallResult(tokens, seconds, last_stats(self.target), rec.intervals)
+        stats = last_stats(self.target)
+        return CallResult(tokens, seconds, stats, Intervals.from_stats(stats))
 
 
 # ----------------------------------------------------------------------------------------------- aggregation

@@ -178,7 +178,7 @@ def cmd_generate(args) -> int:
 
     import hf_ssd
 
-    from .timeline import plot_timeline, record_intervals
+    from .timeline import plot_timeline
 
     try:
         config = SSDConfig(**ssd_options(args), record_timeline=bool(args.timeline))
@@ -203,7 +203,7 @@ def cmd_generate(args) -> int:
     if args.timeline and args.method != "ssd":
         raise SystemExit("hf-ssd: --timeline pictures SSD rounds; use it with --method ssd")
 
-    with record_intervals(target) as rec, torch.inference_mode():
+    with torch.inference_mode():
         start = time.perf_counter()
         out = target.generate(input_ids, **kwargs)
         seconds = time.perf_counter() - start
@@ -215,7 +215,7 @@ def cmd_generate(args) -> int:
         stats = hf_ssd.last_stats(target)
         print(f"[hf-ssd] {stats.summary()}")
         if args.timeline:
-            path = plot_timeline(stats, args.timeline, intervals=rec.intervals)
+            path = plot_timeline(stats, args.timeline)
             print(f"[hf-ssd] timeline written to {path}")
     else:
         tps = len(new) / seconds if seconds > 0 else 0.0

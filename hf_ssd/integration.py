@@ -119,13 +119,11 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     stats = gen.stats if gen is not None else SSDStats(layout=layout)
     if gen is not None:
         stats.finalize((start, end), gen.verify_intervals, gen.draft_intervals + gen.speculator.busy)
-        if config.record_timeline:
-            stats.intervals = {
-                "verify": list(gen.verify_intervals),
-                "speculate": list(gen.speculator.busy),
-                "fallback": list(gen.draft_intervals),
-                "wall": (start, end),
-            }
+        stats.intervals = {
+            "verify": gen.verify_intervals,
+            "speculate": gen.speculator.busy,
+            "fallback": gen.draft_intervals,
+        }
     with _stats_lock:
         _last_stats[model] = stats
     if (

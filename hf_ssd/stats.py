@@ -52,7 +52,7 @@ class SSDStats:
     draft_forwards: int = 0
     layout: str = ""
     timeline: list = field(default_factory=list, repr=False)
-    intervals: dict = field(default_factory=dict, repr=False)  # busy intervals by role, with record_timeline
+    intervals: dict = field(default_factory=dict, repr=False)  # busy (start, end) lists: verify/speculate/fallback
 
     @property
     def acceptance_rate(self) -> float:

@@ -2,17 +2,14 @@
 
 Inputs are the per-round events of `SSDStats.timeline` (recorded with `SSDConfig(record_timeline=True)`:
 t_request, t_return, t_verified, hit, n_candidates, accepted) and, when available, the busy intervals of the
-speculator's background jobs and of the fallback drafts. Those intervals live on the candidate generator,
-which `generate` discards; `record_intervals(model)` keeps them for one call:
+speculator's background jobs and of the fallback drafts (`SSDStats.intervals`):
 
-    with record_intervals(target) as rec:
-        target.generate(..., ssd_config=SSDConfig(record_timeline=True))
-    plot_timeline(hf_ssd.last_stats(target), "timeline.png", intervals=rec.intervals)
+    target.generate(..., ssd_config=SSDConfig(record_timeline=True))
+    plot_timeline(hf_ssd.last_stats(target), "timeline.png")
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 # Colors: target work, speculation overlapped with it, drafting on the critical path, idle waits.
@@ -21,66 +18,20 @@ VERIFY, SPECULATE, FALLBACK, WAIT = "#1f77b4", "#2ca02c", "#d62728", "#bbbbbb"
 
 @dataclass
 class Intervals:
-    """Busy intervals (perf_counter seconds) of one SSD call, read off its candidate generator."""
+    """Busy intervals (perf_counter seconds) of one SSD call, as kept in `SSDStats.intervals`."""
 
     verify: list[tuple[float, float]] = field(default_factory=list)
     speculate: list[tuple[float, float]] = field(default_factory=list)  # background speculation jobs
     fallback: list[tuple[float, float]] = field(default_factory=list)  # drafts on the critical path (misses)
 
     @classmethod
-    def from_generator(cls, gen) -> Intervals:
-        return cls(
-            verify=list(getattr(gen, "verify_intervals", [])),
-            speculate=list(getattr(getattr(gen, "speculator", None), "busy", [])),
-            fallback=list(getattr(gen, "draft_intervals", [])),
-        )
-
-
-class IntervalRecorder:
-    def __init__(self):
-        self.generators: list = []
-
-    @property
-    def intervals(self) -> Intervals | None:
-        return Intervals.from_generator(self.generators[-1]) if self.generators else None
-
-
-@contextlib.contextmanager
-def record_intervals(model):
-    """Keep the candidate generator(s) that SSD `generate` calls on `model` build inside the block.
-
-    `hf_ssd.enable` puts `_get_candidate_generator` on the model instance; this wraps that attribute for the
-    duration of the block only, so nothing outlives it.
-    """
-    recorder = IntervalRecorder()
-    original = model.__dict__.get("_get_candidate_generator")
-    if original is None:  # not enabled: nothing SSD-specific to record
-        yield recorder
-        return
-
-    def wrapped(*args, **kwargs):
-        gen = original(*args, **kwargs)
-        if hasattr(gen, "speculator"):
-            recorder.generators.append(gen)
-        return gen
-
-    model._get_candidate_generator = wrapped
-    try:
-        yield recorder
-    finally:
-        if model.__dict__.get("_get_candidate_generator") is wrapped:
-            model._get_candidate_generator = original
+    def from_stats(cls, stats) -> Intervals:
+        found = getattr(stats, "intervals", None) or {}
+        return cls(**{k: list(found.get(k, [])) for k in ("verify", "speculate", "fallback")})
 
 
 def _intervals_of(stats, intervals: Intervals | None) -> Intervals:
-    if intervals is not None:
-        return intervals
-    found = getattr(stats, "intervals", None)  # if a later SSDStats keeps them itself
-    if isinstance(found, Intervals):
-        return found
-    if isinstance(found, dict):
-        return Intervals(**{k: list(found.get(k, [])) for k in ("verify", "speculate", "fallback")})
-    return Intervals()
+    return intervals if intervals is not None else Intervals.from_stats(stats)
 
 
 def plot_timeline(stats, path, intervals: Intervals | None = None, title: str | None = None) -> str:
