@@ -1,6 +1,6 @@
 """SSD on two tiny models built from configs, where the draft is the target with noise added to its weights.
 
-    python examples/tiny_noisy_pair.py --noise 0.01 --max-new-tokens 64
+    python examples/tiny_noisy_pair.py --noise 0.001 --max-new-tokens 64
 
 Prints whether greedy SSD equals the target alone and the SSD statistics (hit rate, acceptance, bubble ratio).
 """
@@ -31,7 +31,7 @@ def tiny_pair(noise: float, seed: int = 0):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--noise", type=float, default=0.01)
+    parser.add_argument("--noise", type=float, default=0.001)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--layout", default="auto")

@@ -94,6 +94,7 @@ def marginal(joint: dict, positions: tuple[int, ...]) -> dict:
 
 CASES = {
     "plain": dict(gamma=2),
+    "plain_thread": dict(gamma=2, layout="thread", fanout_budget=2),  # overlapped: timing decides hits
     "saguaro": dict(gamma=2, saguaro_c=0.5),
     "saguaro0": dict(gamma=3, saguaro_c=0.0, fanout_budget=4),
     "fallback_sd": dict(gamma=2, fanout_budget=1, fallback="sd"),
@@ -107,7 +108,7 @@ CASES = {
 def test_sampling_matches_target_distribution(pair, case):
     target, draft = pair
     joint = exact_joint(target)
-    config = hf_ssd.SSDConfig(layout="inline", hit_rate_warning=0, **CASES[case])
+    config = hf_ssd.SSDConfig(**{"layout": "inline", "hit_rate_warning": 0, **CASES[case]})
     torch.manual_seed(1234)
     samples, hits, misses = [], 0, 0
     ids = torch.tensor([PROMPT])
