@@ -169,8 +169,10 @@ def _validate_call(model, draft, args, kwargs) -> None:
     gen_config = kwargs.get("generation_config") or model.generation_config
     merged = {k: kwargs.get(k, getattr(gen_config, k, None)) for k in (
         "num_beams", "num_return_sequences", "penalty_alpha", "prompt_lookup_num_tokens", "num_beam_groups",
-        "do_sample", "assistant_early_exit", "assistant_ensemble_weight",
+        "do_sample", "assistant_early_exit", "assistant_ensemble_weight", "use_cache",
     )}
+    if merged["use_cache"] is False:
+        raise SSDUsageError("SSD verifies and drafts with KV caches; remove use_cache=False.")
     if (merged["num_beams"] or 1) > 1:
         raise SSDUsageError("SSD supports greedy and sampling only; beam search (num_beams > 1) is not supported.")
     if (merged["num_return_sequences"] or 1) > 1:

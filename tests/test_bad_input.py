@@ -51,7 +51,7 @@ MESSAGES = {
     "thread_cuda": "layout='thread' runs the speculator on CPU cores, but the draft is on CUDA",
     "stream_split": "layout='stream' needs draft and target on the same GPU",
     "not_enabled": "are not used by the model: ['ssd_config']",
-    "no_cache": "Assisted decoding requires a cache",
+    "no_cache": "remove use_cache=False",
     "sha256": "sha256 mismatch",
     "size": "size mismatch",
 }
@@ -300,7 +300,7 @@ def test_ssd_config_on_a_model_not_enabled(draft):
 
 
 def test_generate_without_cache(target, draft):
-    with expect(RuntimeError, MESSAGES["no_cache"]):
+    with expect(SSDUsageError, MESSAGES["no_cache"]):
         _gen(target, draft, use_cache=False)
 
 
