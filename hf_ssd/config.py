@@ -122,7 +122,7 @@ class SSDConfig:
         if not isinstance(self.record_timeline, bool):
             raise SSDConfigError(f"SSDConfig.record_timeline must be a bool, got {self.record_timeline!r}.")
 
-    def resolved_budget(self, layout: str, on_gpu: bool) -> tuple[int, int]:
+    def resolved_budget(self, on_gpu: bool) -> tuple[int, int]:
         """(fan-out budget, max outcomes) with the `None` defaults filled in for this placement."""
         budget = self.fanout_budget
         if budget is None:

@@ -45,7 +45,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = set(eos.flatten().tolist()) if eos is not None else set()
         do_sample = bool(generation_config.do_sample)
-        self.budget, self.max_outcomes = config.resolved_budget(layout, draft_model.device.type == "cuda")
+        self.budget, self.max_outcomes = config.resolved_budget(draft_model.device.type == "cuda")
         # When sampling, the speculator draws from its own generator, seeded from the caller's RNG: draws on two
         # threads never interleave on one generator. Seeded runs repeat exactly with layout="inline"; with
         # overlap, how far pre-drafting got when the outcome arrived can differ between runs (the output

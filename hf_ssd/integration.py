@@ -26,7 +26,7 @@ from .stats import SSDStats
 logger = logging.getLogger("hf_ssd")
 
 _MARK = "_hf_ssd_enabled"
-_active = threading.local()  # the SSD call in progress on this thread: (model id, config, draft, hooks)
+_active = threading.local()  # .call: the SSD call in progress on this thread (model, config, layout, ...)
 _last_stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> SSDStats
 _stats_lock = threading.Lock()
 

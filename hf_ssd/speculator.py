@@ -83,12 +83,12 @@ class Speculator:
             yield
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
-    # ----- internals -------------------------------------------------------------------------------------
     def raise_pending(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
+    # ----- internals -------------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hf_ssd-speculator", daemon=True)
