@@ -5,7 +5,7 @@ Same pair, same prompts, greedy: AR (target alone), SD (transformers assisted ge
 num_assistant_tokens=gamma, confidence threshold 0), SSD with layout="inline" (speculation on the critical
 path), SSD with layout="auto" (thread on CPU, stream on one GPU), optionally SSD "device" (draft on a second
 GPU, or on the CPU next to a GPU target with --cpu-draft) and thread-layout variants with --cpu-threads.
-Every method's greedy output is compared with AR's. The models are random (hf_ssd.synthetic): the numbers
+Every method's greedy output is compared with AR's. The models are random (hf_ssd.models.synthetic): the numbers
 say how fast the layouts are, nothing about text quality, and every table is labelled SYNTHETIC.
 
     python scripts/layout_bench.py --device cpu --shape tiny --prompts 2 --max-new-tokens 32
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hf_ssd
-from hf_ssd.synthetic import LABEL, parse_pair, random_prompts, synthetic_pair
+from hf_ssd.models.synthetic import LABEL, parse_pair, random_prompts, synthetic_pair
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -27,7 +27,7 @@ from transformers import (
 import hf_ssd
 from hf_ssd import LayoutError, SSDConfig, SSDConfigError, SSDUsageError
 from hf_ssd.drafter import UnsupportedDraftError
-from hf_ssd.fetch import FetchError, verify_file
+from hf_ssd.models.fetch import FetchError, verify_file
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 PROMPT = torch.tensor([[5, 6, 7, 8]])

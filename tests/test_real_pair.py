@@ -16,7 +16,7 @@ pytestmark = pytest.mark.realpair
 
 @pytest.fixture(scope="module")
 def real_pair():
-    from hf_ssd.pairs import load_default_pair
+    from hf_ssd.models.pairs import load_default_pair
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

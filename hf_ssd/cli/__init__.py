@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 
-from .config import EVICTIONS, FALLBACKS, LAYOUTS, SSDConfig, SSDConfigError
+from ..config import EVICTIONS, FALLBACKS, LAYOUTS, SSDConfig, SSDConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -141,10 +140,10 @@ def load_models(args):
     if args.tiny:
         if args.target or args.draft:
             raise SystemExit("hf-ssd: --tiny builds its own pair; drop --target/--draft")
-        from .tiny import tiny_pair
+        from ..models.tiny import tiny_pair
 
         return tiny_pair(device=device)
-    from .pairs import ModelNotAvailableError, load_default_pair, resolve_model, resolve_tokenizer
+    from ..models.pairs import ModelNotAvailableError, load_default_pair, resolve_model, resolve_tokenizer
 
     try:
         if not args.target and not args.draft:
@@ -178,7 +177,7 @@ def cmd_generate(args) -> int:
 
     import hf_ssd
 
-    from .timeline import plot_timeline
+    from ..bench.timeline import plot_timeline
 
     try:
         config = SSDConfig(**ssd_options(args), record_timeline=bool(args.timeline))
@@ -224,7 +223,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from ..bench import run_bench
 
     options = ssd_options(args)
     try:
@@ -279,6 +278,3 @@ def _torch_threads(n: int | None):
     finally:
         torch.set_num_threads(before)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

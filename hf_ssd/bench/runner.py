@@ -9,7 +9,7 @@ Methods (all through `target.generate`, timed as the wall time of each call, tok
   ratio to `ssd_g{g}` is the effect of the layout alone.
 
 Greedy outputs of every method must be token-identical to `ar`; this is checked with the project's `evaluate`
-metric (`hf_ssd/metrics/ssd_match.py`, loaded from the local file) and a mismatch is reported loudly.
+metric (`hf_ssd/bench/metrics/ssd_match.py`, loaded from the local file) and a mismatch is reported loudly.
 
 Predicted speedup (the paper's timing model, fed with this run's own measurements). Per round, SD costs
 T_draft(gamma) + T_verify; SSD costs max(T_v, T_s) on a cache hit (speculation overlapped with verification)
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .config import SSDConfig
-from .integration import enable, last_stats
+from ..config import SSDConfig
+from ..integration import enable, last_stats
 from .prompts import encode_prompt, extract_number, load_prompts
 from .timeline import Intervals
 
@@ -244,7 +244,7 @@ def environment(target, draft, device, dtype) -> dict:
     }
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     env["transformers"] = transformers.__version__
     env["hf_ssd"] = __version__

@@ -1,6 +1,6 @@
 """The default target/draft pair (Qwen2.5-Coder 1.5B / 0.5B Instruct), ready to use offline.
 
-The official GGUF files come from :mod:`hf_ssd.fetch` (verified). Dequantizing a GGUF takes a while, so
+The official GGUF files come from :mod:`hf_ssd.models.fetch` (verified). Dequantizing a GGUF takes a while, so
 each model is converted once to a dense float32 safetensors copy under ``<cache>/dense/<gguf stem>/`` and
 loaded from there afterwards, in seconds. The tokenizer (identical for both models, checked at conversion)
 is saved once, next to the target. Only safetensors are written or read: no pickles, no remote code.

@@ -70,7 +70,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def load_default_spec() -> dict:
-    """The embedded facts about the default pair (``hf_ssd/default_pair.json``, shipped as package data)."""
+    """The embedded facts about the default pair (``hf_ssd/models/default_pair.json``, shipped as package data)."""
     return json.loads((Path(__file__).with_name("default_pair.json")).read_text(encoding="utf-8"))
 
 
