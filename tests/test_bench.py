@@ -106,10 +106,12 @@ def test_extract_number():
 def test_bench_tiny_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["bench", "--tiny", "--num-prompts", "2", "--max-new-tokens", "8", "--gammas", "2,4", "--out", str(out),
-            "--no-progress"]
+            "--no-progress", "--modes", "greedy,sample"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| method | tok/s |" in printed and "greedy outputs identical" in printed
+    assert "estimated" in printed and " on this machine" in printed  # said before the run starts
+    assert printed.index("estimated") < printed.index("| method | tok/s |")
     results = json.loads((out / "results.json").read_text())
     assert results["greedy_identical"] is True
     assert results["environment"]["torch"] and results["environment"]["transformers"]
@@ -126,8 +128,56 @@ def test_bench_tiny_end_to_end(tmp_path, capsys):
     assert set(results["gsm_accuracy"]["gsm"]) == {"greedy", "sample"}
     md = (out / "results.md").read_text()
     assert "speedup vs best assisted" in md and "token-identical to AR" in md and "T_ar_token" in md
+    assert "humaneval: 2 prompts, gsm: 2 prompts" in md and "greedy and sampling at T=0.7" in md
+    # 8 tokens cannot hold a GSM answer: the accuracy table says the outputs were cut off.
+    assert all(n > 0 for n in results["cut_off"]["gsm"]["greedy"].values())
+    assert "cut²" in md and "max_new_tokens=8" in md
     for png in ("tok_s.png", "ssd_hit_acceptance.png", "speedup_vs_gamma.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    check_figures(results)
+
+
+def check_figures(results):
+    """Plots that do not flatter: y from zero, every baseline drawn, the sample size written on the figure."""
+    from hf_ssd.bench.runner import figures
+
+    figs = figures(results)
+    for name, fig in figs.items():
+        texts = [fig._suptitle.get_text() if fig._suptitle else ""] + [ax.get_title() for ax in fig.axes]
+        assert any("prompts:" in t and "SSD rounds" in t for t in texts), (name, texts)
+        for ax in fig.axes:
+            assert ax.get_ylim()[0] == 0, (name, ax.get_ylim())
+    for ax in figs["speedup_vs_gamma"].axes:
+        labels = set(ax.get_legend_handles_labels()[1])
+        assert {"AR (target alone)", "assisted (defaults)", "best assisted", "SSD measured"} <= labels, labels
+        assert ax.get_ylim()[1] >= max(r["speedup_vs_ar"] for r in results["results"] if r["speedup_vs_ar"])
+
+
+def test_bench_defaults_are_the_quick_setting_and_full_is_larger():
+    from hf_ssd.cli import BENCH_FULL, BENCH_QUICK, bench_setting, build_parser
+
+    parser = build_parser()
+    quick = bench_setting(parser.parse_args(["bench"]))
+    full = bench_setting(parser.parse_args(["bench", "--full"]))
+    assert quick == BENCH_QUICK and full == BENCH_FULL
+    size = lambda s: s["num_prompts"] * s["max_new_tokens"] * len(s["modes"]) * len(s["gammas"])  # noqa: E731
+    assert size(full) > 10 * size(quick)
+    # An explicit option wins over either setting.
+    assert bench_setting(parser.parse_args(["bench", "--full", "--num-prompts", "3"]))["num_prompts"] == 3
+
+
+def test_header_says_only_what_ran():
+    from hf_ssd.bench import FORMULA, render_markdown
+
+    results = {
+        "environment": {"target": "t", "draft": "d", "device": "cpu", "dtype": "float32", "torch_threads": 1,
+                        "torch": "x", "transformers": "y", "machine": "m", "cpu_count": 1, "date": "now"},
+        "settings": {"datasets": ["humaneval"], "modes": ["greedy"], "num_prompts": 10, "max_new_tokens": 4,
+                     "sample_temperature": 0.7, "prompts_per_dataset": {"humaneval": 1}},
+        "results": [], "greedy_check": {}, "gsm_accuracy": {}, "layout_effect": [], "formula": FORMULA,
+    }
+    md = render_markdown(results)
+    assert "humaneval: 1 prompt ·" in md and "sampling" not in md.split("\n")[3]
 
 
 def test_markdown_reports_a_greedy_mismatch_loudly():

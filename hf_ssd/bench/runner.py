@@ -285,7 +285,13 @@ def run_bench(
             encoded.append(ids[-max_prompt_tokens:] if max_prompt_tokens else ids)
         sets.append((name, ds, encoded))
 
-    rows, greedy_check, accuracy = [], {}, {}
+    calls = len(modes) * len(methods) * sum(len(e) + 1 for _, _, e in sets)  # +1: each method's warm-up
+    estimate = estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens, seed)
+    print(f"[hf-ssd] bench: {len(sets)} dataset(s) x {'+'.join(modes)} x {len(methods)} methods, "
+          f"{sum(len(e) for _, _, e in sets)} prompts in all, {max_new_tokens} new tokens each ({calls} calls); "
+          f"estimated {_duration(estimate)} on this machine", flush=True)
+    rows, greedy_check, accuracy, cutoffs = [], {}, {}, {}
+    bench_start = time.perf_counter()
     for name, ds, encoded in sets:
         for mode in modes:
             do_sample = mode == "sample"
@@ -303,6 +309,8 @@ def run_bench(
                 greedy_check[name] = check_identical(metric, runs)
             if tokenizer is not None and any(k == "math" for k in ds["kind"]):
                 accuracy.setdefault(name, {})[mode] = answer_accuracy(metric, runs, ds, tokenizer)
+            cutoffs.setdefault(name, {})[mode] = cut_off(runs, max_new_tokens, runner.eos)
+    elapsed = time.perf_counter() - bench_start
 
     mismatched = {d: [m for m, r in c.items() if r["num_mismatches"]] for d, c in greedy_check.items()}
     mismatched = {d: ms for d, ms in mismatched.items() if ms}
@@ -310,6 +318,8 @@ def run_bench(
         "environment": environment(target, draft, runner.device, next(target.parameters()).dtype),
         "settings": {
             "datasets": [s[0] for s in sets], "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+            "prompts_per_dataset": {s[0]: len(s[2]) for s in sets},
+            "estimated_seconds": estimate, "elapsed_seconds": elapsed,
             "modes": list(modes), "gammas": list(gammas), "sample_temperature": SAMPLE_TEMPERATURE, "seed": seed,
             "chat": chat, "max_prompt_tokens": max_prompt_tokens, "ssd_options": dict(ssd_options or {}),
             "methods": [m.__dict__ for m in methods],
@@ -319,6 +329,7 @@ def run_bench(
         "greedy_identical": not mismatched,
         "greedy_mismatches": mismatched,
         "gsm_accuracy": accuracy,
+        "cut_off": cutoffs,
         "layout_effect": layout_effect(rows),
         "formula": FORMULA,
     }
@@ -331,6 +342,31 @@ def run_bench(
         print(f"{banner}\nGREEDY MISMATCH: these methods did not reproduce the target's greedy output: "
               f"{mismatched}\n{banner}", file=sys.stderr)
     return results
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens, seed) -> float:
+    """Rough wall time of the whole bench from one short timed AR call (every method runs at roughly AR's
+    speed or better here; prefill of each prompt counted once per call)."""
+    if not sets or not sets[0][2]:
+        return 0.0
+    probe = sets[0][2][0]
+    n = max(1, min(warmup_tokens, max_new_tokens))
+    r = runner.call(Method("ar", "ar"), probe, n, False, seed)
+    per_token = r.seconds / max(1, len(r.tokens))
+    prompts = sum(len(e) + 1 for _, _, e in sets)
+    tokens = len(modes) * len(methods) * sum(len(e) * max_new_tokens + warmup_tokens for _, _, e in sets)
+    return tokens * per_token + len(modes) * len(methods) * prompts * per_token  # + about one token of prefill
+
+
+def cut_off(runs: dict[str, MethodRun], max_new_tokens: int, eos) -> dict[str, int]:
+    """Per method: outputs that stopped at max_new_tokens without EOS (their final answer may be missing)."""
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
+    return {name: sum(1 for t in run.tokens if len(t) >= max_new_tokens and not (eos & set(t[-1:])))
+            for name, run in runs.items()}
 
 
 def summarize(dataset: str, mode: str, runs: dict[str, MethodRun]) -> list[dict]:
@@ -404,14 +440,22 @@ def _f(value, fmt: str = "{:.2f}", none: str = "—") -> str:
 
 def render_markdown(results: dict) -> str:
     env, st = results["environment"], results["settings"]
+    n_prompts = st.get("prompts_per_dataset", {})
+    counts = ", ".join(f"{d}: {n} prompt{'s' if n != 1 else ''}" for d, n in n_prompts.items()) or \
+        f"{st['num_prompts']} prompts per dataset"
+    modes = " and ".join(
+        "greedy" if m == "greedy" else f"sampling at T={st['sample_temperature']} with fixed seeds" for m in st["modes"]
+    )
+    timing = ""
+    if st.get("elapsed_seconds") is not None:
+        timing = f" · ran {_duration(st['elapsed_seconds'])} (estimated {_duration(st.get('estimated_seconds', 0))})"
     lines = [
         "# hf-ssd benchmark",
         "",
         f"target `{env['target']}` · draft `{env['draft']}` · {env['device']} {env['dtype']} · "
         f"{env['torch_threads']} torch threads · torch {env['torch']} · transformers {env['transformers']} · "
         f"{env['machine']} ({env['cpu_count']} CPUs){' · ' + env['cuda_device'] if env.get('cuda_device') else ''}",
-        f"{st['num_prompts']} prompts per dataset · max_new_tokens {st['max_new_tokens']} · "
-        f"sampling at T={st['sample_temperature']} with fixed seeds · {env['date']}",
+        f"{counts} · max_new_tokens {st['max_new_tokens']} · {modes} · {env['date']}{timing}",
         "",
     ]
     header = ("| method | tok/s | speedup vs AR | speedup vs best assisted | acceptance | hit rate | bubble ratio "
@@ -447,12 +491,23 @@ def render_markdown(results: dict) -> str:
     if results["gsm_accuracy"]:
         names = list(dict.fromkeys(n for by_mode in results["gsm_accuracy"].values()
                                    for acc in by_mode.values() for n in acc))
+        cut = results.get("cut_off", {})
         lines += ["## Final-answer exact match (numeric)", "", "| dataset | mode | " + " | ".join(names) + " |",
                   "|" + "---|" * (len(names) + 2)]
+        flagged = False
         for dataset, by_mode in results["gsm_accuracy"].items():
             for mode, acc in by_mode.items():
-                lines.append(f"| {dataset} | {mode} | " + " | ".join(_f(acc.get(n), "{:.1%}") for n in names) + " |")
+                cells = []
+                for n in names:
+                    c = cut.get(dataset, {}).get(mode, {}).get(n, 0)
+                    flagged |= c > 0
+                    cells.append(_f(acc.get(n), "{:.1%}") + (f" ({c} cut²)" if c else ""))
+                lines.append(f"| {dataset} | {mode} | " + " | ".join(cells) + " |")
         lines.append("")
+        if flagged:
+            lines += [f"² outputs that stopped at max_new_tokens={st['max_new_tokens']} before the end of sequence: "
+                      "their final answer was cut off, so the exact match above understates the models. Raise "
+                      "--max-new-tokens (e.g. 256) to measure accuracy.", ""]
     if results["layout_effect"]:
         lines += ["## Layout effect (SSD auto layout over SSD inline, same gamma)", ""]
         for e in results["layout_effect"]:
@@ -464,6 +519,22 @@ def render_markdown(results: dict) -> str:
 
 
 def write_plots(results: dict, out_dir: Path) -> list[str]:
+    """tok_s.png, ssd_hit_acceptance.png, speedup_vs_gamma.png; see `figures`."""
+    return [_save(fig, out_dir / f"{name}.png") for name, fig in figures(results).items()]
+
+
+def _sample_size(results: dict, rows: list[dict]) -> str:
+    st = results["settings"]
+    per = st.get("prompts_per_dataset") or {d: st["num_prompts"] for d in st["datasets"]}
+    prompts = ", ".join(f"{d} {n}" for d, n in per.items())
+    rounds = sum(r.get("rounds", 0) for r in rows if r["kind"] == "ssd")
+    return f"prompts: {prompts}; {st['max_new_tokens']} new tokens each; {rounds} SSD rounds in all"
+
+
+def figures(results: dict) -> dict:
+    """The bench's plots as matplotlib figures. Every y axis starts at zero, every baseline is shown (AR,
+    assisted defaults and the best assisted setting), and each title says how many prompts and rounds the
+    figure rests on."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,25 +543,27 @@ def write_plots(results: dict, out_dir: Path) -> list[str]:
     rows = results["results"]
     groups = [(d, m) for d in results["settings"]["datasets"] for m in results["settings"]["modes"]]
     groups = [g for g in groups if any(r["dataset"] == g[0] and r["mode"] == g[1] for r in rows)]
-    paths = []
+    size = _sample_size(results, rows)
+    figs = {}
 
     # 1. tok/s by method, one bar per (dataset, mode).
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(methods) * max(1, len(groups)) / 2), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(methods) * max(1, len(groups)) / 2), 4.2))
     width = 0.8 / max(1, len(groups))
     for gi, (d, m) in enumerate(groups):
         by = {r["method"]: r["tokens_per_second"] for r in rows if r["dataset"] == d and r["mode"] == m}
         ax.bar([i + gi * width for i in range(len(methods))], [by.get(x, 0) for x in methods], width, label=f"{d} · {m}")
     ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(methods))], methods, rotation=30, ha="right")
     ax.set_ylabel("tokens / s")
-    ax.set_title("Throughput by method")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Throughput by method\n({size})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "tok_s.png"))
+    figs["tok_s"] = fig
 
     # 2. SSD hit rate and acceptance by dataset.
     ssd_methods = [x for x in methods if any(r["method"] == x and r["kind"] == "ssd" for r in rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     width = 0.8 / max(1, len(ssd_methods))
     for ax, key, title in ((axes[0], "hit_rate", "cache hit rate"), (axes[1], "acceptance_rate", "acceptance rate")):
         for mi, name in enumerate(ssd_methods):
@@ -501,31 +574,49 @@ def write_plots(results: dict, out_dir: Path) -> list[str]:
         ax.set_ylim(0, 1.05)
         ax.set_title(f"SSD {title}")
     axes[0].legend(fontsize=8)
+    fig.suptitle(size, fontsize=9)
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "ssd_hit_acceptance.png"))
+    figs["ssd_hit_acceptance"] = fig
 
-    # 3. Speedup over AR vs gamma: SSD measured and predicted, assisted tuned measured.
-    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.5 * max(1, len(groups)), 3.8), squeeze=False)
+    # 3. Speedup over AR by gamma (bars, so one gamma reads as well as several), with the gamma-free baselines
+    #    as lines: AR itself, assisted with its defaults, and the best assisted setting of the run.
+    gammas = sorted({r["gamma"] for r in rows if r["gamma"] is not None})
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 5.0), squeeze=False,
+                             sharey=True)
+    series = (
+        ("assisted_tuned", None, "speedup_vs_ar", "assisted (γ tokens, threshold 0)"),
+        ("ssd", "auto", "speedup_vs_ar", "SSD measured"),
+        ("ssd", "auto", "predicted_speedup", "SSD predicted"),
+        ("ssd", "inline", "speedup_vs_ar", "SSD inline (no overlap)"),
+    )
+    width = 0.8 / len(series)
     for ax, (d, m) in zip(axes[0], groups):
-        sel = [r for r in rows if r["dataset"] == d and r["mode"] == m and r["gamma"] is not None]
-        for kind, layout, key, style, label in (
-            ("ssd", "auto", "speedup_vs_ar", "o-", "SSD measured"),
-            ("ssd", "auto", "predicted_speedup", "o--", "SSD predicted"),
-            ("assisted_tuned", None, "speedup_vs_ar", "s-", "assisted (tuned)"),
-        ):
-            pts = sorted((r["gamma"], r[key]) for r in sel
-                         if r["kind"] == kind and r["layout"] == layout and r.get(key) is not None)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(sorted({r["gamma"] for r in sel}))
+        sel = [r for r in rows if r["dataset"] == d and r["mode"] == m]
+        for si, (kind, layout, key, label) in enumerate(series):
+            by = {r["gamma"]: r.get(key) for r in sel if r["kind"] == kind and r["layout"] == layout}
+            xs = [gi + si * width for gi, g in enumerate(gammas) if by.get(g) is not None]
+            ys = [by[g] for g in gammas if by.get(g) is not None]
+            if ys:
+                ax.bar(xs, ys, width, label=label, hatch="//" if key == "predicted_speedup" else None,
+                       alpha=0.6 if key == "predicted_speedup" else 1.0)
+        ax.axhline(1.0, color="black", lw=1.0, label="AR (target alone)")
+        defaults = [r["speedup_vs_ar"] for r in sel if r["kind"] == "assisted" and r.get("speedup_vs_ar")]
+        if defaults:
+            ax.axhline(defaults[0], color="tab:grey", ls="--", lw=1.2, label="assisted (defaults)")
+        best = max((r["speedup_vs_ar"] for r in sel if r["kind"].startswith("assisted") and r.get("speedup_vs_ar")),
+                   default=None)
+        if best is not None:
+            ax.axhline(best, color="tab:red", ls=":", lw=1.5, label="best assisted")
+        ax.set_xticks([gi + width * (len(series) - 1) / 2 for gi in range(len(gammas))], [str(g) for g in gammas])
         ax.set_xlabel("gamma")
         ax.set_ylabel("speedup over AR")
+        ax.set_ylim(bottom=0)
         ax.set_title(f"{d} · {m}")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
+    fig.suptitle(size, fontsize=9)
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "speedup_vs_gamma.png"))
-    return paths
+    figs["speedup_vs_gamma"] = fig
+    return figs
 
 
 def _save(fig, path: Path) -> str:

@@ -58,13 +58,13 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
         g.add_argument("--gamma", type=int, default=d.gamma, help="draft tokens per round")
     g.add_argument("--fanout", type=_fanout, default=d.fanout,
                    help="'geometric' or gamma+1 comma-separated ints (bonus tokens pre-drafted per k)")
-    g.add_argument("--fanout-budget", type=int, default=d.fanout_budget, help="predicted outcomes per round")
-    g.add_argument("--max-outcomes", type=int, default=d.max_outcomes, help="outcome-space truncation")
+    g.add_argument("--fanout-budget", type=int, default=d.fanout_budget, help="predicted outcomes per round (default: chosen by placement)")
+    g.add_argument("--max-outcomes", type=int, default=d.max_outcomes, help="outcome-space truncation (default: the fan-out budget)")
     g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache capacity")
-    g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction)
+    g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="speculation cache eviction policy")
     g.add_argument("--fallback", choices=FALLBACKS, default=d.fallback, help="what a cache miss does")
-    g.add_argument("--fallback-gamma", type=int, default=d.fallback_gamma, help="draft length of the 'short' fallback")
-    g.add_argument("--saguaro-c", type=float, default=d.saguaro_c, help="Saguaro sampling constant in [0, 1)")
+    g.add_argument("--fallback-gamma", type=int, default=d.fallback_gamma, help="draft length of the 'short' fallback (default: gamma // 2)")
+    g.add_argument("--saguaro-c", type=float, default=d.saguaro_c, help="Saguaro sampling constant in [0, 1) (default: off)")
     if with_gamma:
         g.add_argument("--layout", choices=LAYOUTS, default=d.layout, help="where the speculator runs")
     g.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
@@ -78,38 +78,82 @@ def ssd_options(args) -> dict:
     return {k: getattr(args, k) for k in keys if hasattr(args, k)}
 
 
+class HELP_FORMAT(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default; options whose default is None/False say in their help what that means."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# `hf-ssd bench` settings: the default is sized to finish in ~10 minutes on a 2-core CPU with the default pair.
+BENCH_QUICK = {"num_prompts": 2, "max_new_tokens": 64, "modes": ["greedy"], "gammas": [4]}
+BENCH_FULL = {"num_prompts": 10, "max_new_tokens": 128, "modes": ["greedy", "sample"], "gammas": [2, 4, 6]}
+
+
+def _ints(values) -> str:
+    return ",".join(map(str, values))
+
+
+def _describe(setting: dict) -> str:
+    return (f"{setting['num_prompts']} prompts per dataset, {setting['max_new_tokens']} new tokens, "
+            f"{'+'.join(setting['modes'])}, gammas {_ints(setting['gammas'])}")
+
+
+def bench_setting(args) -> dict:
+    """The bench's size: --full or the quick default, with every option given explicitly taking precedence."""
+    base = BENCH_FULL if args.full else BENCH_QUICK
+    return {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-ssd", description="Speculative Speculative Decoding for transformers")
+    parser = argparse.ArgumentParser(prog="hf-ssd", description="Speculative Speculative Decoding for transformers",
+                                     formatter_class=HELP_FORMAT)
     parser.add_argument("-v", "--verbose", action="store_true", help="show transformers warnings")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate from one prompt with SSD, streaming the text")
+    gen = sub.add_parser("generate", help="generate from one prompt with SSD, streaming the text",
+                         formatter_class=HELP_FORMAT)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_int_list, help="prompt as comma-separated token ids (no tokenizer needed)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
-    gen.add_argument("--seed", type=int, default=None, help="torch seed (with --do-sample)")
+    gen.add_argument("--seed", type=int, default=None, help="torch seed (with --do-sample; default: unseeded)")
     gen.add_argument("--method", choices=("ssd", "sd", "ar"), default="ssd",
-                     help="ssd (default), sd (transformers assisted generation) or ar (target alone), to compare")
-    gen.add_argument("--timeline", metavar="PNG", help="write a timeline picture of the SSD rounds")
+                     help="ssd, sd (transformers assisted generation) or ar (target alone), to compare")
+    gen.add_argument("--timeline", metavar="PNG", help="write a timeline picture of the SSD rounds (default: none)")
     _add_model_args(gen)
     _add_ssd_args(gen)
 
-    bench = sub.add_parser("bench", help="compare AR, assisted generation and SSD on the same prompts")
-    bench.add_argument("--datasets", type=_str_list, default=["humaneval", "gsm"],
+    bench = sub.add_parser(
+        "bench", help="compare AR, assisted generation and SSD on the same prompts", formatter_class=HELP_FORMAT,
+        description="Compare AR, assisted generation and SSD on the same prompts. The defaults finish in about "
+                    "10 minutes on a 2-core CPU with the default pair; --full runs the larger setting "
+                    f"({_describe(BENCH_FULL)}), about 3 hours there. An estimate is printed before the run.")
+    bench.add_argument("--datasets", type=_str_list, default="humaneval,gsm",
                        help="comma-separated: humaneval, gsm, or paths to .jsonl/.csv files or save_to_disk dirs")
-    bench.add_argument("--num-prompts", type=int, default=10)
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--modes", type=_str_list, default=["greedy", "sample"], help="greedy,sample")
-    bench.add_argument("--gammas", type=_int_list, default=[2, 4, 6], help="SSD / tuned-assisted draft lengths")
+    bench.add_argument("--full", action="store_true",
+                       help=f"the larger setting: {_describe(BENCH_FULL)} (explicit options still win)")
+    bench.add_argument("--num-prompts", type=int, default=None,
+                       help=f"prompts per dataset (default {BENCH_QUICK['num_prompts']}; "
+                            f"{BENCH_FULL['num_prompts']} with --full)")
+    bench.add_argument("--max-new-tokens", type=int, default=None,
+                       help=f"default {BENCH_QUICK['max_new_tokens']}; {BENCH_FULL['max_new_tokens']} with --full")
+    bench.add_argument("--modes", type=_str_list, default=None,
+                       help=f"greedy and/or sample, comma-separated (default {','.join(BENCH_QUICK['modes'])}; "
+                            f"{','.join(BENCH_FULL['modes'])} with --full)")
+    bench.add_argument("--gammas", type=_int_list, default=None,
+                       help=f"SSD / tuned-assisted draft lengths (default {_ints(BENCH_QUICK['gammas'])}; "
+                            f"{_ints(BENCH_FULL['gammas'])} with --full)")
     bench.add_argument("--out", default="bench_out", help="output directory")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed for prompt selection and sampling")
     bench.add_argument("--chat", choices=("auto", "always", "never"), default="auto",
                        help="chat template: auto = for non-code prompts when the tokenizer has one")
-    bench.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens")
+    bench.add_argument("--max-prompt-tokens", type=int, default=None, help="keep only the last N prompt tokens (default: all; 128 with --tiny)")
     bench.add_argument("--strict", action="store_true", help="exit with status 3 when greedy outputs differ")
     bench.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     _add_model_args(bench)
@@ -202,6 +246,8 @@ def cmd_generate(args) -> int:
     if args.timeline and args.method != "ssd":
         raise SystemExit("hf-ssd: --timeline pictures SSD rounds; use it with --method ssd")
 
+    if tokenizer is not None and args.prompt is not None and not args.chat:
+        print(args.prompt, end="", flush=True)  # the streamed continuation then reads on from the prompt
     with torch.inference_mode():
         start = time.perf_counter()
         out = target.generate(input_ids, **kwargs)
@@ -226,18 +272,19 @@ def cmd_bench(args) -> int:
     from ..bench import run_bench
 
     options = ssd_options(args)
+    setting = bench_setting(args)
     try:
-        SSDConfig(**options, gamma=max(args.gammas))  # fail fast on bad options, before loading models
+        SSDConfig(**options, gamma=max(setting["gammas"]))  # fail fast on bad options, before loading models
     except SSDConfigError as err:
         raise SystemExit(f"hf-ssd: {err}") from err
-    bad_modes = [m for m in args.modes if m not in ("greedy", "sample")]
-    if bad_modes or not args.modes:
-        raise SystemExit(f"hf-ssd: --modes takes greedy and/or sample, got {args.modes}")
+    bad_modes = [m for m in setting["modes"] if m not in ("greedy", "sample")]
+    if bad_modes or not setting["modes"]:
+        raise SystemExit(f"hf-ssd: --modes takes greedy and/or sample, got {setting['modes']}")
     target, draft, tokenizer = load_models(args)
     max_prompt = args.max_prompt_tokens or (128 if args.tiny else None)
     results = run_bench(
-        target, draft, tokenizer, datasets=args.datasets, out_dir=args.out, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, modes=tuple(args.modes), gammas=tuple(args.gammas),
+        target, draft, tokenizer, datasets=args.datasets, out_dir=args.out, num_prompts=setting["num_prompts"],
+        max_new_tokens=setting["max_new_tokens"], modes=tuple(setting["modes"]), gammas=tuple(setting["gammas"]),
         ssd_options=options, seed=args.seed, chat=args.chat, max_prompt_tokens=max_prompt,
         progress=not args.no_progress,
     )
