@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import difflib
+import functools
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 FALLBACKS = ("sd", "short", "ar", "ngram")
@@ -12,6 +14,10 @@ LAYOUTS = ("auto", "thread", "stream", "device", "inline")
 
 class SSDConfigError(ValueError):
     """An invalid `SSDConfig` value; the message names the field and what to change."""
+
+
+class SSDConfigFieldError(SSDConfigError, TypeError):
+    """An `SSDConfig` field that does not exist (a TypeError too, as for any unknown keyword argument)."""
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -138,3 +144,26 @@ class SSDConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _unknown_field_message(name: str) -> str:
+    names = [f.name for f in fields(SSDConfig)]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else f" The fields are: {', '.join(names)}."
+    return f"SSDConfig() got an unexpected keyword argument {name!r}.{hint}"
+
+
+def _check_field_names(init):
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        known = SSDConfig.__dataclass_fields__
+        for name in kwargs:
+            if name not in known:
+                raise SSDConfigFieldError(_unknown_field_message(name))
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+# The generated __init__ would raise a bare TypeError; this one also says which field was meant.
+SSDConfig.__init__ = _check_field_names(SSDConfig.__init__)

@@ -4,6 +4,10 @@
 `ssd_config=` and a `_get_candidate_generator` that builds the SSD generator while such a call is active.
 transformers looks `_get_candidate_generator` up on the instance, so the class, other models and the
 saved configs are untouched; `disable(model)` deletes both attributes.
+
+The one class-level change: `GenerationMixin._validate_model_kwargs` is wrapped so that `ssd_config=` on a
+model that was never enabled raises an error naming `hf_ssd.enable` instead of transformers' generic
+"model_kwargs are not used". It changes nothing else (that call fails either way).
 """
 
 from __future__ import annotations
@@ -74,6 +78,24 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
     return gen
 
 
+def _hint_enable(validate):
+    @functools.wraps(validate)
+    def checked(self, model_kwargs, *args, **kwargs):
+        if "ssd_config" in model_kwargs and not getattr(self, _MARK, False):
+            raise SSDUsageError(
+                f"generate() got ssd_config, but this {type(self).__name__} was not enabled for SSD: call "
+                "hf_ssd.enable(model) once before model.generate(..., ssd_config=...)."
+            )
+        return validate(self, model_kwargs, *args, **kwargs)
+
+    checked._hf_ssd_hint = True
+    return checked
+
+
+if not getattr(GenerationMixin._validate_model_kwargs, "_hf_ssd_hint", False):
+    GenerationMixin._validate_model_kwargs = _hint_enable(GenerationMixin._validate_model_kwargs)
+
+
 def disable(model):
     """Undo `enable`: the model's generate is transformers' own again. Safe to call on any model."""
     if getattr(model, _MARK, False):
@@ -94,7 +116,8 @@ def last_stats(model) -> SSDStats | None:
 
 def _ssd_generate(model, config: SSDConfig, args, kwargs):
     if not isinstance(config, SSDConfig):
-        raise SSDUsageError(f"ssd_config must be an hf_ssd.SSDConfig, got {type(config).__name__}.")
+        hint = " Build one from the dict: ssd_config=hf_ssd.SSDConfig(**d)." if isinstance(config, dict) else ""
+        raise SSDUsageError(f"ssd_config must be an hf_ssd.SSDConfig, got {type(config).__name__}.{hint}")
     config.validate()
     draft = kwargs.get("assistant_model")
     hooks = kwargs.pop("_ssd_hooks", None)

@@ -50,7 +50,7 @@ MESSAGES = {
     "draft_split": "SSD needs the draft on one device",
     "thread_cuda": "layout='thread' runs the speculator on CPU cores, but the draft is on CUDA",
     "stream_split": "layout='stream' needs draft and target on the same GPU",
-    "not_enabled": "are not used by the model: ['ssd_config']",
+    "not_enabled": "was not enabled for SSD: call hf_ssd.enable(model) once",
     "no_cache": "remove use_cache=False",
     "sha256": "sha256 mismatch",
     "size": "size mismatch",
@@ -124,9 +124,13 @@ def test_every_config_field_has_a_rejection_case():
     assert fields <= covered, f"fields without a bad-input case: {sorted(fields - covered)}"
 
 
-def test_unknown_config_field_is_a_type_error():
-    with pytest.raises(TypeError, match="unexpected keyword argument 'gama'"):
+def test_unknown_config_field_is_a_type_error_that_suggests_the_field():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gama'. Did you mean 'gamma'"):
         SSDConfig(gama=4)
+    with pytest.raises(SSDConfigError, match="Did you mean 'fanout_budget'"):
+        SSDConfig(fanout_budjet=4)
+    with pytest.raises(SSDConfigError, match="The fields are: gamma, "):  # nothing close: list them all
+        SSDConfig(zzzz=1)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +158,9 @@ def _gen(target, draft, **kw):
 
 
 USAGE_CASES = {
-    "config_not_ssdconfig": ({"ssd_config": {"gamma": 4}}, "ssd_config must be an hf_ssd.SSDConfig, got dict"),
+    "config_not_ssdconfig": (
+        {"ssd_config": {"gamma": 4}}, "got dict. Build one from the dict: ssd_config=hf_ssd.SSDConfig(**d)",
+    ),
     "beam_search": ({"num_beams": 2}, "beam search (num_beams > 1) is not supported"),
     "beam_search_in_generation_config": (
         {"generation_config": GenerationConfig(num_beams=3, max_new_tokens=4)},
@@ -295,8 +301,11 @@ def test_stream_layout_across_devices(target):
 
 def test_ssd_config_on_a_model_not_enabled(draft):
     plain = make_model(0)
-    with expect(ValueError, MESSAGES["not_enabled"]):
+    with expect(SSDUsageError, MESSAGES["not_enabled"]):
         plain.generate(PROMPT, assistant_model=draft, max_new_tokens=4, ssd_config=SSDConfig())
+    # Other unknown kwargs still get transformers' own check.
+    with pytest.raises(ValueError, match="model_kwargs"):
+        plain.generate(PROMPT, max_new_tokens=3, not_a_generate_kwarg=1)
 
 
 def test_generate_without_cache(target, draft):
