@@ -39,3 +39,13 @@ def test_real_pair_ssd_greedy_equals_target(real_pair):
     assert out.tolist() == ref.tolist()
     stats = hf_ssd.last_stats(target)
     assert stats.new_tokens == 32 and stats.cache_hits > 0
+
+
+def test_readme_example_on_the_real_pair(real_pair, monkeypatch, capsys):
+    """The README's Python example, exactly as written, with the real default pair."""
+    from test_readme import run_readme
+
+    ns = run_readme(monkeypatch, real_pair)
+    printed = capsys.readouterr().out
+    assert "def quicksort(xs):" in printed and "def add(a, b):" in printed
+    assert hf_ssd.last_stats(ns["target"]).new_tokens > 0
