@@ -76,3 +76,35 @@ def test_console_entry_point_as_module():
     )
     assert proc.returncode == 0, proc.stderr
     assert "tok/s" in proc.stdout and "hit rate" in proc.stdout
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_every_option_shows_its_default(command):
+    """`--help` tells every default: shown by the formatter, or said in the help text when it is None/off."""
+    import argparse
+
+    sub = _subparsers(build_parser())[command]
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:
+            continue
+        text = formatter._get_help_string(action) or ""
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        required_choice = action.dest in ("prompt", "prompt_ids")  # one of the two is required: no default
+        assert flag or required_choice or "default" in text.lower(), f"{command} {action.option_strings}: {text!r}"
+        if flag:
+            assert text, f"{command} {action.option_strings} has no help"
+
+
+def test_generate_echoes_the_prompt_before_the_continuation(capsys):
+    assert main(["generate", "--tiny", "--prompt", "def add(a, b):", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.startswith("def add(a, b):")
