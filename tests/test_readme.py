@@ -67,3 +67,17 @@ def test_hub_blocks_at_least_compile(code):
     if code is None:
         pytest.skip("no Hub block in the README")
     compile(code, str(README), "exec")
+
+
+def test_readme_table_lists_every_ssdconfig_field_with_its_default():
+    from dataclasses import MISSING, fields
+
+    from hf_ssd import SSDConfig
+
+    text = README.read_text(encoding="utf-8")
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", text, re.M)}
+    for f in fields(SSDConfig):
+        assert f.name in rows, f"README's SSDConfig table lacks {f.name}"
+        default = f.default if f.default is not MISSING else None
+        if isinstance(default, (int, float, str)) and not isinstance(default, bool):
+            assert str(default) in rows[f.name], f"{f.name}: README says {rows[f.name]!r}, default is {default!r}"

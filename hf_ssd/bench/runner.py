@@ -349,17 +349,23 @@ def _duration(seconds: float) -> str:
 
 
 def estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens, seed) -> float:
-    """Rough wall time of the whole bench from one short timed AR call (every method runs at roughly AR's
-    speed or better here; prefill of each prompt counted once per call)."""
+    """Rough wall time of the whole bench, from short timed AR calls on the first prompt.
+
+    A 1-token call (after one to warm up) measures the prompt's prefill and the fixed cost of a call; a
+    (1 + n)-token call adds n decode steps. Every method is counted at AR's speed (the others are about as
+    fast or faster), so this is a rough upper estimate."""
     if not sets or not sets[0][2]:
         return 0.0
     probe = sets[0][2][0]
+    ar = Method("ar", "ar")
     n = max(1, min(warmup_tokens, max_new_tokens))
-    r = runner.call(Method("ar", "ar"), probe, n, False, seed)
-    per_token = r.seconds / max(1, len(r.tokens))
-    prompts = sum(len(e) + 1 for _, _, e in sets)
+    runner.call(ar, probe, 1, False, seed)  # warm-up: first-call costs are not the bench's
+    t_call = runner.call(ar, probe, 1, False, seed).seconds
+    longer = runner.call(ar, probe, 1 + n, False, seed)
+    per_token = max(0.0, longer.seconds - t_call) / max(1, len(longer.tokens) - 1)
+    calls = len(modes) * len(methods) * sum(len(e) + 1 for _, _, e in sets)  # +1: each method's warm-up
     tokens = len(modes) * len(methods) * sum(len(e) * max_new_tokens + warmup_tokens for _, _, e in sets)
-    return tokens * per_token + len(modes) * len(methods) * prompts * per_token  # + about one token of prefill
+    return calls * t_call + tokens * per_token
 
 
 def cut_off(runs: dict[str, MethodRun], max_new_tokens: int, eos) -> dict[str, int]:
