@@ -1,0 +1,131 @@
+"""A calibrated outcome predictor: where will the target reject, and with which bonus token?
+
+The geometric law (`fanout.py`) gives every drafted position the same acceptance probability. The draft's own
+confidence says more: a token it drafted with probability 0.98 is accepted far more often than one drafted at
+0.4. So P(accept at position j) is estimated as a function of q_j, the draft's probability of the token it
+drafted there, by a small histogram over q calibrated online from the verifications seen so far (each bin a
+Beta posterior around a prior in which the draft is calibrated, P(accept | q) = q). Then
+
+    P(k accepted of g) = p_1 ... p_k (1 - p_{k+1})      (k < g),      p_1 ... p_g      (k = g)
+
+and every candidate outcome (k, bonus) is ranked by P(k) * P(bonus | k), where P(bonus | k) is the draft's
+distribution at position k + 1 with the rejected (drafted) token removed and renormalised for k < g, and its
+next-token distribution for k = g. The budget goes to the most likely outcomes overall, not per k.
+
+When sampling, the verifier's bonus after a rejection comes from the residual max(p - q, 0) of target p and
+draft q; the draft cannot see p, so its renormalised distribution without the rejected token stands in for it
+(the same assumption the geometric predictor makes). Exactness never depends on any of this: the predictor
+only chooses what to pre-draft.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from .outcomes import Outcome
+
+TopProbs = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class AcceptanceCalibration:
+    """P(accepted | q) on `bins` equal-width bins of q in [0, 1], each a Beta(a, b) posterior.
+
+    The prior puts `prior_weight` pseudo-observations at the bin's centre (a calibrated draft); observations
+    decay by `decay` per verified round so that the estimate follows the text (code vs prose).
+    """
+
+    bins: int = 10
+    prior_weight: float = 2.0
+    decay: float = 0.995
+    accepted: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.accepted:
+            centres = [(i + 0.5) / self.bins for i in range(self.bins)]
+            self.accepted = [c * self.prior_weight for c in centres]
+            self.tried = [self.prior_weight] * self.bins
+        self._lock = threading.Lock()  # observed by the caller's thread, read by the speculator's
+
+    def _bin(self, q: float) -> int:
+        return min(self.bins - 1, max(0, int(q * self.bins)))
+
+    def p_accept(self, q: float) -> float:
+        i = self._bin(q)
+        with self._lock:
+            return self.accepted[i] / self.tried[i]
+
+    def observe(self, qs: list[float], accepted: int) -> None:
+        """A verified round: the first `accepted` drafted tokens were accepted, the next one (if any) rejected,
+        the rest never judged."""
+        with self._lock:
+            self.accepted = [a * self.decay for a in self.accepted]
+            self.tried = [t * self.decay for t in self.tried]
+            for j, q in enumerate(qs[: accepted + 1]):
+                i = self._bin(q)
+                self.tried[i] += 1.0
+                self.accepted[i] += 1.0 if j < accepted else 0.0
+
+    def curve(self) -> list[float]:
+        with self._lock:
+            return [a / t for a, t in zip(self.accepted, self.tried)]
+
+
+def drafted_probs(candidates: list[int], tops: list[TopProbs]) -> list[float]:
+    """q_j: the draft's probability of each drafted token (0 when it fell outside the recorded top list)."""
+    qs = []
+    for j, token in enumerate(candidates):
+        values, ids = tops[j]
+        hit = (ids == token).nonzero()
+        qs.append(float(values[hit[0, 0]]) if hit.numel() else 0.0)
+    return qs
+
+
+def length_probs(p_accept: list[float]) -> list[float]:
+    """P(exactly k accepted), k = 0..g, from per-position acceptance probabilities (independent positions)."""
+    probs, run = [], 1.0
+    for p in p_accept:
+        probs.append(run * (1.0 - p))
+        run *= p
+    probs.append(run)
+    return probs
+
+
+def rank_outcomes(
+    candidates: list[int], tops: list[TopProbs], calibration: AcceptanceCalibration, budget: int
+) -> list[Outcome]:
+    """The `budget` most likely outcomes (k, bonus) of verifying `candidates`, most likely first."""
+    if budget <= 0:
+        return []
+    g = len(candidates)
+    qs = drafted_probs(candidates, tops)
+    pk = length_probs([calibration.p_accept(q) for q in qs])
+    scored: list[Outcome] = []
+    for k in range(g + 1):
+        if pk[k] <= 0.0:
+            continue
+        values, ids = tops[k]
+        excluded = candidates[k] if k < g else None
+        pairs = [(float(v), int(t)) for v, t in zip(values.tolist(), ids.tolist()) if t != excluded]
+        mass = sum(v for v, _ in pairs) or 1.0
+        # The draft's top list is sorted: only its first `budget` entries can make the overall top `budget`.
+        scored += [Outcome(k, t, pk[k] * v / mass) for v, t in pairs[:budget]]
+    scored.sort(key=lambda o: -o.prob)
+    return scored[:budget]
+
+
+# Calibrations carried across calls, per draft model (a new call on the same pair starts informed).
+_carried: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_carried_lock = threading.Lock()
+
+
+def calibration_for(draft_model, do_sample: bool) -> AcceptanceCalibration:
+    """The calibration of this draft for greedy or sampled decoding (kept apart: acceptance differs)."""
+    with _carried_lock:
+        per_model = _carried.setdefault(draft_model, {})
+        return per_model.setdefault(bool(do_sample), AcceptanceCalibration())

@@ -1,0 +1,78 @@
+"""The calibrated outcome predictor (hf_ssd/predictor.py): calibration, acceptance-length law, ranking."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, length_probs, rank_outcomes
+
+
+def _top(pairs):
+    probs, ids = zip(*pairs)
+    return torch.tensor(probs), torch.tensor(ids)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=10))
+def test_length_probs_sum_to_one(ps):
+    probs = length_probs(ps)
+    assert len(probs) == len(ps) + 1
+    assert abs(sum(probs) - 1.0) < 1e-9 and all(p >= -1e-12 for p in probs)
+
+
+def test_prior_is_a_calibrated_draft():
+    cal = AcceptanceCalibration()
+    assert cal.p_accept(0.05) == pytest.approx(0.05)
+    assert cal.p_accept(0.97) == pytest.approx(0.95)
+
+
+def test_calibration_learns_a_miscalibrated_draft():
+    """A draft whose confident tokens are always accepted and unsure ones always rejected: the curve gets steep,
+    and observations at positions after the rejection do not count."""
+    rng = random.Random(0)
+    cal = AcceptanceCalibration()
+    for _ in range(300):
+        qs = [rng.choice([0.95, 0.35]) for _ in range(4)]
+        k = next((j for j, q in enumerate(qs) if q < 0.5), 4)
+        cal.observe(qs, k)
+    assert cal.p_accept(0.95) > 0.97
+    assert cal.p_accept(0.35) < 0.05
+    untouched = AcceptanceCalibration().p_accept(0.65)
+    assert cal.p_accept(0.65) == pytest.approx(untouched, abs=0.1)  # never observed: stays near the prior
+
+
+def test_drafted_probs_reads_the_drafted_token():
+    tops = [_top([(0.6, 7), (0.3, 3)]), _top([(0.5, 2), (0.4, 8)]), _top([(0.9, 1), (0.1, 2)])]
+    assert drafted_probs([7, 8], tops) == pytest.approx([0.6, 0.4])
+    assert drafted_probs([9], tops) == [0.0]  # outside the recorded top list
+
+
+def test_rank_outcomes_puts_budget_where_the_draft_is_unsure():
+    cal = AcceptanceCalibration()
+    candidates = [7, 8, 9]
+    tops = [
+        _top([(0.98, 7), (0.01, 3), (0.01, 4)]),  # sure: a rejection here is unlikely
+        _top([(0.40, 8), (0.35, 5), (0.25, 6)]),  # unsure: k = 1 with bonus 5 is likely
+        _top([(0.97, 9), (0.02, 1), (0.01, 2)]),
+        _top([(0.60, 11), (0.30, 12), (0.10, 13)]),  # after the last candidate
+    ]
+    outcomes = rank_outcomes(candidates, tops, cal, budget=3)
+    assert len(outcomes) == 3
+    assert [o.prob for o in outcomes] == sorted((o.prob for o in outcomes), reverse=True)
+    assert (outcomes[0].accepted, outcomes[0].bonus) == (1, 5)
+    assert all(not (o.accepted < 3 and o.bonus == candidates[o.accepted]) for o in outcomes)  # never the rejected
+    ks = {o.accepted for o in outcomes}
+    assert 0 not in ks  # the confident first position gets nothing
+    # The probabilities are a distribution over all outcomes: the top ones sum to at most 1.
+    assert sum(o.prob for o in rank_outcomes(candidates, tops, cal, budget=50)) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_rank_outcomes_budget_zero_and_no_candidates():
+    cal = AcceptanceCalibration()
+    assert rank_outcomes([4], [_top([(0.5, 4), (0.5, 2)]), _top([(1.0, 3)])], cal, 0) == []
+    only = rank_outcomes([], [_top([(0.7, 1), (0.3, 2)])], cal, 2)
+    assert [(o.accepted, o.bonus) for o in only] == [(0, 1), (0, 2)]
