@@ -81,9 +81,12 @@ def _capture(fn: Callable[[], torch.Tensor], warmup: int):
             fn()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: the verifier may be launching work from another thread while the speculator captures.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = fn()
+    try:
+        # thread_local: the verifier may be launching work from another thread while the speculator captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        torch.cuda.set_stream(current)  # a failed capture can leave its capture stream current
     return graph, out
 
 
@@ -101,3 +104,10 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 def host_list(t: torch.Tensor) -> list:
     return to_host(t).tolist()
+
+
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor; on CUDA through pinned memory, without blocking the host."""
+    if device.type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)

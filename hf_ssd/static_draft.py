@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .drafter import BranchState, Drafter, DraftResult
-from .graphs import StepRunner, host_list, to_host
+from .graphs import StepRunner, host_list, to_device, to_host
 from .outcomes import Outcome
 
 logger = logging.getLogger("hf_ssd")
@@ -154,7 +154,7 @@ class _State:
             if runner.captured or not self.graphs:
                 continue
             rows.step_cols.zero_()
-            rows.mask[..., 0] = 0.0  # warm-up writes column 0 with a finite row (reset before use)
+            rows.mask[..., 0].fill_(0.0)  # warm-up writes column 0 with a finite row (reset before use)
             with torch.no_grad():
                 runner.capture()
             rows.mask.fill_(rows.neg)
@@ -187,7 +187,8 @@ def _step_fn(model, rows: _Rows, cache_kw: str, keep_kw: bool, out_vocab: int):
     return step
 
 
-_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft model -> _State (reused across calls)
+# draft model -> {graphs: _State}, reused across calls (one per graphs setting: switching never recaptures)
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
 
 
@@ -195,7 +196,8 @@ def _acquire(model, rows: int, max_len: int, cache_kw: str, keep_kw: bool, out_v
              strict: bool) -> _State:
     """The model's cached state if it fits and is free; else a new one (cached unless another call holds it)."""
     with _states_lock:
-        state = _states.get(model)
+        slots = _states.setdefault(model, {})
+        state = slots.get(graphs)
         fits = state is not None and state.fits(model, rows, max_len, out_vocab, graphs)
         if fits and not state.busy:
             state.busy = True
@@ -207,7 +209,7 @@ def _acquire(model, rows: int, max_len: int, cache_kw: str, keep_kw: bool, out_v
     new.busy = True
     if shared:  # a concurrent call on the same draft keeps its own buffers; only a free slot is replaced
         with _states_lock:
-            _states[model] = new
+            slots[graphs] = new
     return new
 
 
@@ -248,12 +250,16 @@ class StaticDrafter(Drafter):
         self._context_free = all(type(p).__name__ in _CONTEXT_FREE for p in procs)
         self._cuda = self.device.type == "cuda"
         if graphs:
-            with torch.cuda.device(self.device):
-                self.state.capture()
+            try:
+                with torch.cuda.device(self.device):
+                    self.state.capture()
+            except BaseException:
+                self.release()
+                raise
 
     @property
     def path(self) -> str:
-        return "static+graphs" if self.state.graphs else "static"
+        return "static+graphs" if self.state.trunk_step.captured else "static"  # a failed capture runs eager
 
     def release(self) -> None:
         """Hand the buffers back for the next call on this draft model."""
@@ -305,7 +311,7 @@ class StaticDrafter(Drafter):
     def _crop(self, n: int) -> None:
         if len(self.ids) > n:
             del self.ids[n:]
-            self.trunk.mask[..., n:] = self.trunk.neg  # the columns stay, hidden, until overwritten
+            self.trunk.mask[..., n:].fill_(self.trunk.neg)  # the columns stay, hidden, until overwritten
             self._last = None
         for p in [p for p in self.top if p >= n or p < n - 1024]:
             del self.top[p]
@@ -316,13 +322,13 @@ class StaticDrafter(Drafter):
         t = self.trunk
         if isinstance(token, int):
             t.input_ids.fill_(token)
-            t.ids[0, pos] = token
+            t.ids[0, pos].fill_(token)
         else:
             t.input_ids.view(-1).copy_(token)
             t.ids[0, pos : pos + 1].copy_(token)
         t.position_ids.fill_(pos)
         t.step_cols.fill_(pos)
-        t.mask[..., pos] = 0.0
+        t.mask[..., pos].fill_(0.0)  # in-place fills and copies only: nothing waits for the device
         t.length = pos + 1
         self._wrote(pos)
         self.forwards += 1
@@ -334,9 +340,9 @@ class StaticDrafter(Drafter):
         """Feed several tokens at once (eagerly, into the same static cache); logits of the last `keep_last`."""
         self._check_len(keep + len(new))
         t = self.trunk
-        ids = torch.tensor([new], device=self.device)
+        ids = to_device([new], self.device)
         pos = torch.arange(keep, keep + len(new), device=self.device)
-        t.ids[0, keep : keep + len(new)] = ids[0]
+        t.ids[0, keep : keep + len(new)].copy_(ids[0])
         allowed = self.state.arange.unsqueeze(0) <= pos.unsqueeze(1)
         mask = torch.zeros(allowed.shape, dtype=t.mask.dtype, device=self.device).masked_fill(~allowed, t.neg)
         kwargs = {self._cache_kw: t.cache}
@@ -348,7 +354,7 @@ class StaticDrafter(Drafter):
                              use_cache=True, **kwargs)
         finally:
             t.cols = t.step_cols
-        t.mask[..., keep : keep + len(new)] = 0.0
+        t.mask[..., keep : keep + len(new)].fill_(0.0)
         t.length = keep + len(new)
         self._wrote(keep)
         self.forwards += 1
@@ -437,8 +443,8 @@ class StaticDrafter(Drafter):
         # The rows' token ids (by position) get the branch tokens from L0 + k on: no longer the trunk's there.
         t.valid_cols = min(t.valid_cols, min(starts))
         # Padding rows (b < batch) run a k = 0 branch whose output is ignored: the step shape never changes.
-        st = torch.tensor(starts + [L0] * (t.batch - b), device=self.device)
-        bonus = torch.tensor([o.bonus for o in outcomes] + [0] * (t.batch - b), device=self.device)
+        st = to_device(starts + [L0] * (t.batch - b), self.device)
+        bonus = to_device([o.bonus for o in outcomes] + [0] * (t.batch - b), self.device)
         hidden = self.state.arange.unsqueeze(0) >= st.unsqueeze(1)  # [L0 + k, ...) assumed rejected or unused
         t.mask.copy_(torch.zeros(hidden.shape, dtype=t.mask.dtype, device=self.device)
                      .masked_fill(hidden, t.neg)[:, None, None, :])
@@ -454,7 +460,7 @@ class StaticDrafter(Drafter):
                 break
             col = T + j
             t.step_cols.fill_(col)
-            t.mask[..., col] = 0.0
+            t.mask[..., col].fill_(0.0)
             t.length = col + 1
             self.forwards += 1
             logits = tree.step()[:b]
@@ -498,8 +504,8 @@ class StaticDrafter(Drafter):
                 dst[0, :, lo:keep].copy_(src[r, :, lo:keep])
             dst[0, :, keep : keep + fed].copy_(src[r, :, T : T + fed])
         tr.ids[0, lo : keep + fed].copy_(t.ids[r, lo : keep + fed])
-        tr.mask[..., : keep + fed] = 0.0
-        tr.mask[..., keep + fed :] = tr.neg
+        tr.mask[..., : keep + fed].fill_(0.0)
+        tr.mask[..., keep + fed :].fill_(tr.neg)
         tr.length = keep + fed
         self._wrote(lo)
         self.ids = tree.trunk_ids[:keep] + [o.bonus] + tokens[: fed - 1]

@@ -245,10 +245,10 @@ def test_state_is_reused_across_calls_and_not_shared_by_concurrent_ones(target):
     draft = noisy_copy(target, 0.01)
     cfg = static_config(fanout_budget=2)
     target.generate(prompt(0), max_new_tokens=NEW, do_sample=False, assistant_model=draft, ssd_config=cfg)
-    first = sd._states[draft]
+    first = sd._states[draft][False]
     assert not first.busy
     target.generate(prompt(1), max_new_tokens=NEW, do_sample=False, assistant_model=draft, ssd_config=cfg)
-    assert sd._states[draft] is first
+    assert sd._states[draft][False] is first
     held = make_drafter(draft, cfg, None, False, 3, None, 96, 30, 2)
     other = make_drafter(draft, cfg, None, False, 3, None, 96, 30, 2)
     assert held.state is first and other.state is not first  # a second drafter never shares busy buffers
