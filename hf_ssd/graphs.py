@@ -30,8 +30,10 @@ class StepRunner:
     real step overwrites with its own values.
     """
 
-    def __init__(self, fn: Callable[[], torch.Tensor], graphs: bool, strict: bool, name: str, warmup: int = 2):
+    def __init__(self, fn: Callable[[], torch.Tensor], graphs: bool, strict: bool, name: str,
+                 device: torch.device | None = None, warmup: int = 2):
         self.fn = fn
+        self.device = device
         self.graphs = graphs
         self.strict = strict
         self.name = name
@@ -49,7 +51,8 @@ class StepRunner:
         if not self.graphs or self.graph is not None or self.failed is not None:
             return
         try:
-            self.graph, self.output = _capture(self.fn, self.warmup)
+            with torch.cuda.device(self.device):  # the model's GPU, whichever device this thread is on
+                self.graph, self.output = _capture(self.fn, self.warmup)
         except Exception as err:  # noqa: BLE001 - reported below, then eager (or raised when asked for explicitly)
             self.failed = f"{type(err).__name__}: {err}"
             self.graph = None
@@ -97,7 +100,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch caches pinned blocks
     buf.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(t.device))  # the copy's stream, not this thread's current device
     done.synchronize()
     return buf
 

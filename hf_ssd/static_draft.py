@@ -139,7 +139,7 @@ class _State:
     def _rows(self, batch: int, name: str) -> tuple[_Rows, StepRunner]:
         rows = _Rows(batch, self.max_len, self.kv, self.dtype, self.device)
         fn = _step_fn(self.model, rows, self.cache_kw, self.keep_kw, self.out_vocab)
-        return rows, StepRunner(fn, self.graphs, self.strict, name)
+        return rows, StepRunner(fn, self.graphs, self.strict, name, self.device)
 
     def tree_for(self, b: int) -> tuple[_Rows, StepRunner]:
         fitting = [n for n in self.trees if n >= b]
@@ -479,7 +479,7 @@ class StaticDrafter(Drafter):
                 t.position_ids.add_(1)
             if self._cuda:
                 events.append(torch.cuda.Event())
-                events[-1].record()
+                events[-1].record(torch.cuda.current_stream(self.device))
             if on_step is not None:
                 on_step(j)
         drafted = host_list(torch.stack(tokens, dim=1)) if tokens else [[] for _ in outcomes]

@@ -195,6 +195,7 @@ def test_device_layout_second_gpu(gpu_target, gpu_drafts, speculators):
                               ssd_config=SSDConfig(layout="auto", hit_rate_warning=0.0))
     assert out.tolist() == ref.tolist()
     assert hf_ssd.last_stats(gpu_target).layout == "device"
+    assert hf_ssd.last_stats(gpu_target).draft_path == "static+graphs"  # captured and replayed on cuda:1
     assert_shut_down(speculators)
 
 
