@@ -127,10 +127,20 @@ class _State:
         self.device, self.dtype = model.device, model.dtype
         self.kv = _probe_kv(model, cache_kw)
         self.arange = torch.arange(max_len, device=self.device)
-        self.busy = False
+        self._owner = None  # weak reference to the drafter using the buffers: a dropped drafter frees them
         self.trunk, self.trunk_step = self._rows(1, "trunk (batch 1)")
         self.trees: dict[int, tuple[_Rows, StepRunner]] = {}
         self.tree_for(rows)
+
+    @property
+    def busy(self) -> bool:
+        return self._owner is not None and self._owner() is not None
+
+    def take(self, owner) -> None:
+        self._owner = weakref.ref(owner)
+
+    def release(self) -> None:
+        self._owner = None
 
     @property
     def rows(self) -> int:
@@ -192,7 +202,7 @@ _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
 
 
-def _acquire(model, rows: int, max_len: int, cache_kw: str, keep_kw: bool, out_vocab: int, graphs: bool,
+def _acquire(owner, model, rows: int, max_len: int, cache_kw: str, keep_kw: bool, out_vocab: int, graphs: bool,
              strict: bool) -> _State:
     """The model's cached state if it fits and is free; else a new one (cached unless another call holds it)."""
     with _states_lock:
@@ -200,13 +210,13 @@ def _acquire(model, rows: int, max_len: int, cache_kw: str, keep_kw: bool, out_v
         state = slots.get(graphs)
         fits = state is not None and state.fits(model, rows, max_len, out_vocab, graphs)
         if fits and not state.busy:
-            state.busy = True
+            state.take(owner)
             return state
         shared = state is None or not state.busy
         if state is not None and not state.busy:
             rows, max_len = max(rows, state.rows), max(max_len, state.max_len)
     new = _State(model, rows, max_len, cache_kw, keep_kw, out_vocab, graphs, strict)
-    new.busy = True
+    new.take(owner)
     if shared:  # a concurrent call on the same draft keeps its own buffers; only a free slot is replaced
         with _states_lock:
             slots[graphs] = new
@@ -237,7 +247,7 @@ class StaticDrafter(Drafter):
                  rows: int, graphs: bool = False, strict_graphs: bool = False):
         super().__init__(model, logits_processor, do_sample, top_k, saguaro_c, generator, out_vocab)
         self.cache = None  # the dynamic trunk cache is never used here
-        self.state = _acquire(model, max(1, rows), max_len, self._cache_kw, self._keep_kw, self.out_vocab, graphs,
+        self.state = _acquire(self, model, max(1, rows), max_len, self._cache_kw, self._keep_kw, self.out_vocab, graphs,
                               strict_graphs)
         self.trunk = self.state.trunk
         self.trunk.mask.fill_(self.trunk.neg)  # a new call: the trunk holds nothing
@@ -263,7 +273,7 @@ class StaticDrafter(Drafter):
 
     def release(self) -> None:
         """Hand the buffers back for the next call on this draft model."""
-        self.state.busy = False
+        self.state.release()
 
     # ----- helpers ------------------------------------------------------------------------------------------
     def _wrote(self, col: int) -> None:

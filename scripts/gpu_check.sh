@@ -46,7 +46,7 @@ T_ALL=$(date +%s)
 DEADLINE=$(( T_ALL + ${GPU_CHECK_BUDGET:-470} ))
 
 # stage NAME LIMIT_S CMD...: run CMD under a timeout (never past the run's deadline), record
-# PASS / FAIL (rc) / TIMEOUT. With SOFT=1 in its environment a failure is only a warning.
+# PASS / FAIL (rc) / TIMEOUT. With SOFT=1 in its environment a failure or timeout is only a warning.
 stage() {
   local name=$1 limit=$2
   shift 2
@@ -67,7 +67,7 @@ stage() {
     status=PASS
   elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     status="TIMEOUT (${limit}s)"
-    FAILED=1
+    if [ "${SOFT:-0}" = 1 ]; then status="$status, continuing"; else FAILED=1; fi
   elif [ "${SOFT:-0}" = 1 ]; then
     status="WARN (rc $rc), continuing"
   else
@@ -137,8 +137,9 @@ if [ "$MODE" = gpu ]; then
     --device cuda --shape 1b-8b --dtype bfloat16 --prompts 3 --prompt-len 64 --max-new-tokens 128 $BENCH_COMMON \
     --timeline \"$OUT/timeline.png\" --profile \"$OUT/profile.json.gz\" \
     --json \"$OUT/layout_bench.json\" ${BENCH_ARGS:-} 2>&1 | tee \"$BENCH_TXT\""
-  # Everything except the real-pair download and the slow soak; CUDA tests ran above.
-  stage "pytest suite (CPU parts, CUDA present)" "${SUITE_LIMIT:-120}" "$PY" -m pytest -x -q -p no:cacheprovider \
+  # Everything except the real-pair download and the slow soak; CUDA tests ran above. The CPU suite also runs
+  # on CPU machines, so here a failure or timeout is reported (WARN) without failing the GPU check.
+  SOFT=1 stage "pytest suite (CPU parts, CUDA present)" "${SUITE_LIMIT:-120}" "$PY" -m pytest -x -q -p no:cacheprovider \
     -m "not realpair and not slow" --ignore=tests/test_cuda.py tests
 else
   stage "pytest (dry run: a few CPU layout and static-path tests)" 240 "$PY" -m pytest -x -q -p no:cacheprovider \

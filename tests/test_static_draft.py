@@ -49,12 +49,16 @@ def same_tops(a: dict, b: dict, positions) -> None:
         assert torch.allclose(va.cpu(), vb.cpu(), atol=1e-6), p
 
 
-@pytest.mark.parametrize("procs", [None, "penalty", "temperature"])
-def test_static_drafter_matches_dynamic_through_rounds(draft, procs):
+@pytest.mark.parametrize(("procs", "attn"), [(None, "eager"), ("penalty", "eager"), ("temperature", "eager"),
+                                             (None, "sdpa")])
+def test_static_drafter_matches_dynamic_through_rounds(draft, target, procs, attn):
     """Drive both drafters through the calls a generation makes (fallback draft, record, tree, adopt, again)."""
     processors = {None: None,
                   "penalty": LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]),
                   "temperature": LogitsProcessorList([TemperatureLogitsWarper(0.7)])}[procs]
+    if attn == "sdpa":  # SDPA reads the 4D float mask through its own kernel
+        draft = noisy_copy(target, 0.01)
+        draft.config._attn_implementation = "sdpa"
     dyn, sta = pair_of_drafters(draft, processors)
     context = prompt(3, 9)[0].tolist()
     gamma = 4
@@ -254,6 +258,10 @@ def test_state_is_reused_across_calls_and_not_shared_by_concurrent_ones(target):
     assert held.state is first and other.state is not first  # a second drafter never shares busy buffers
     held.release()
     other.release()
+    dropped = make_drafter(draft, cfg, None, False, 3, None, 96, 30, 2)
+    assert dropped.state is first and first.busy
+    del dropped  # e.g. a generator that failed after building its drafter: the buffers are free again
+    assert not first.busy
     # Exact after all that (the buffers of a new call start clean).
     ids = prompt(2)
     ref = target.generate(ids, max_new_tokens=NEW, do_sample=False)
