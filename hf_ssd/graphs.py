@@ -74,6 +74,8 @@ class StepRunner:
         return self.fn()
 
 
+@torch.inference_mode(False)  # outputs are normal tensors, whatever mode generate runs in
+@torch.no_grad()
 def _capture(fn: Callable[[], torch.Tensor], warmup: int):
     current = torch.cuda.current_stream()
     side = torch.cuda.Stream(device=current.device)

@@ -147,7 +147,10 @@ class _State:
         return max(self.trees)
 
     def _rows(self, batch: int, name: str) -> tuple[_Rows, StepRunner]:
-        rows = _Rows(batch, self.max_len, self.kv, self.dtype, self.device)
+        # Normal tensors even when generate runs under torch.inference_mode() (pipelines, the CLI): the
+        # speculator thread, outside that mode, updates them in place, which inference tensors refuse.
+        with torch.inference_mode(False):
+            rows = _Rows(batch, self.max_len, self.kv, self.dtype, self.device)
         fn = _step_fn(self.model, rows, self.cache_kw, self.keep_kw, self.out_vocab)
         return rows, StepRunner(fn, self.graphs, self.strict, name, self.device)
 

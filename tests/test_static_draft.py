@@ -244,6 +244,20 @@ def test_flash_attention_is_not_static(draft):
     assert "attention implementation" in static_support(model)
 
 
+def test_inference_mode_calls(target):
+    """Pipelines and the CLI call generate under torch.inference_mode(); the speculator thread runs outside it
+    and updates the static buffers in place, so they must be normal tensors; later calls reuse them."""
+    draft = noisy_copy(target, 0.01)
+    ids = prompt(3)
+    ref = target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    for mode in (True, False, True):
+        with torch.inference_mode(mode):
+            out = target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft,
+                                  ssd_config=static_config(layout="thread", fanout_budget=2))
+        assert out.tolist() == ref.tolist()
+        assert hf_ssd.last_stats(target).draft_path == "static"
+
+
 # ----- buffers reused across calls ---------------------------------------------------------------------------------
 def test_state_is_reused_across_calls_and_not_shared_by_concurrent_ones(target):
     draft = noisy_copy(target, 0.01)
