@@ -374,3 +374,17 @@ def test_stream_graphs_sampling_matches_target_distribution():
             observed[key] = observed.get(key, 0) + 1
         p = chi_square_p(observed, marginal(joint, positions), N)
         assert p > ALPHA, f"positions {positions} deviate from the target distribution (p={p:.2e})"
+
+
+def test_graphs_under_inference_mode(gpu_target, speculators):
+    """Pipelines and the CLI run generate under torch.inference_mode(); the speculator thread does not."""
+    draft = fresh_draft()
+    ids = prompt(6)
+    ref = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    for mode in (True, False, True):
+        with torch.inference_mode(mode):
+            out = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft,
+                                      ssd_config=SSDConfig(layout="stream", hit_rate_warning=0.0))
+        assert out.tolist() == ref.tolist()
+        assert hf_ssd.last_stats(gpu_target).draft_path == "static+graphs"
+    assert_shut_down(speculators)

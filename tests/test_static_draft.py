@@ -238,6 +238,33 @@ def test_unsupported_draft_uses_dynamic_path_with_a_message(caplog, draft):
             assert "using the dynamic draft path" in caplog.text
 
 
+def family_draft(name: str):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(7)
+    if name == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    else:
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    model.config._attn_implementation = "eager"
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_full_attention_families_are_static_and_exact(target, family):
+    d = family_draft(family)
+    assert static_support(d) is None
+    for seed in range(3):
+        ids = prompt(seed)
+        ref = target.generate(ids, max_new_tokens=NEW, do_sample=False)
+        out = target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=d,
+                              ssd_config=static_config(fanout_budget=2))
+        assert out.tolist() == ref.tolist()
+        assert hf_ssd.last_stats(target).draft_path == "static"
+
+
 def test_flash_attention_is_not_static(draft):
     model = make_model(0)
     model.config._attn_implementation = "flash_attention_2"
