@@ -24,6 +24,7 @@ from hf_ssd.outcomes import Outcome
 from hf_ssd.static_draft import StaticDrafter, make_drafter, static_support
 
 NEW = 24
+REAL_STEP_FN = sd._step_fn
 
 
 def prompt(seed: int, length: int = 6) -> torch.Tensor:
@@ -182,6 +183,51 @@ def test_static_path_has_hits(target, draft):
             total += hf_ssd.last_stats(target).cache_hits
         hits[static] = total
     assert hits[True] == hits[False] > 0  # inline layout: the same predictions, the same hits
+
+
+# ----- graph semantics, emulated on CPU --------------------------------------------------------------------------
+@pytest.fixture
+def graph_like(monkeypatch):
+    """Steps behave as CUDA-graph replays do: the output is one buffer overwritten by every step, and the step's
+    input tensors must be the same storage every time (updated in place, never re-bound)."""
+    real = sd._step_fn
+
+    def fake(model, rows, *args):
+        fn = real(model, rows, *args)
+        inputs = lambda: [rows.input_ids, rows.position_ids, rows.mask, rows.step_cols, *rows.keys, *rows.values]  # noqa: E731
+        ptrs = [t.data_ptr() for t in inputs()]
+        out: dict = {}
+
+        def step():
+            assert [t.data_ptr() for t in inputs()] == ptrs and rows.cols is rows.step_cols
+            result = fn()
+            if "buf" not in out:
+                out["buf"] = result.clone()
+            else:
+                out["buf"].copy_(result)
+            return out["buf"]
+
+        return step
+
+    monkeypatch.setattr(sd, "_step_fn", fake)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_graph_like_steps_give_the_same_output(target, graph_like, sample):
+    """With replay semantics (aliased outputs) the static path produces exactly what it does eagerly."""
+    kw = dict(max_new_tokens=NEW, do_sample=sample, **(dict(temperature=0.8, top_k=20) if sample else {}))
+    for i, cfg in enumerate([static_config(fanout_budget=3), static_config(gamma=3, saguaro_c=0.3, fanout_budget=4),
+                             static_config(gamma=2, fallback="short")]):
+        outs = []
+        for step_fn in (REAL_STEP_FN, sd._step_fn):  # eager, then the emulation
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(sd, "_step_fn", step_fn)
+                d = noisy_copy(target, 0.01)  # a fresh draft: a fresh state built with this step function
+                torch.manual_seed(i)
+                outs.append(target.generate(prompt(i), assistant_model=d, ssd_config=cfg, **kw).tolist())
+        assert outs[0] == outs[1]
+        if not sample:
+            assert outs[1] == target.generate(prompt(i), **kw).tolist()
 
 
 # ----- config ----------------------------------------------------------------------------------------------------
