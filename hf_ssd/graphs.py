@@ -10,6 +10,7 @@ were asked for explicitly, raises `GraphCaptureError`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -51,7 +52,9 @@ class StepRunner:
         if not self.graphs or self.graph is not None or self.failed is not None:
             return
         try:
-            with torch.cuda.device(self.device):  # the model's GPU, whichever device this thread is on
+            on_device = self.device is not None and self.device.type == "cuda"
+            # Under the model's GPU, whichever device this thread is on.
+            with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
                 self.graph, self.output = _capture(self.fn, self.warmup)
         except Exception as err:  # noqa: BLE001 - reported below, then eager (or raised when asked for explicitly)
             self.failed = f"{type(err).__name__}: {err}"

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .drafter import BranchState, Drafter, DraftResult
-from .graphs import StepRunner, host_list, to_device, to_host
+from .graphs import GraphCaptureError, StepRunner, host_list, to_device, to_host
 from .outcomes import Outcome
 
 logger = logging.getLogger("hf_ssd")
@@ -161,9 +161,16 @@ class _State:
             fitting = [b]
         return self.trees[min(fitting)]
 
-    def capture(self) -> None:
-        """Capture the steps now (before the first round), so no capture runs next to a verification."""
+    def capture(self, strict: bool) -> None:
+        """Capture the steps now (before the first round), so no capture runs next to a verification.
+
+        `strict` (cuda_graphs=True) is this call's: a step whose capture failed in an earlier call raises too."""
         for rows, runner in [(self.trunk, self.trunk_step), *self.trees.values()]:
+            runner.strict = strict
+            if runner.failed is not None and strict:
+                raise GraphCaptureError(f"hf_ssd could not capture the draft step {runner.name!r} as a CUDA graph "
+                                        f"({runner.failed}). Use SSDConfig(cuda_graphs=None) to fall back to eager "
+                                        "steps, or cuda_graphs=False.")
             if runner.captured or not self.graphs:
                 continue
             rows.step_cols.zero_()
@@ -264,8 +271,7 @@ class StaticDrafter(Drafter):
         self._cuda = self.device.type == "cuda"
         if graphs:
             try:
-                with torch.cuda.device(self.device):
-                    self.state.capture()
+                self.state.capture(strict_graphs)
             except BaseException:
                 self.release()
                 raise

@@ -423,10 +423,31 @@ def test_step_runner_capture_failure(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_ssd"):
         assert runner().item() == 1.0 and runner().item() == 1.0
     assert len(calls) == 2 and not runner.captured and "capture of draft step 't' failed" in caplog.text
-    assert caplog.text.count("failed") == 1  # reported once
+    assert len(caplog.records) == 1  # reported once
     strict = StepRunner(lambda: torch.ones(1), graphs=True, strict=True, name="t")
     with pytest.raises(GraphCaptureError, match="cuda_graphs=None"):
         strict()
+
+
+def test_failed_capture_raises_for_a_strict_call_that_reuses_the_state(target, monkeypatch, caplog):
+    """A capture that failed under cuda_graphs=None is remembered: a later cuda_graphs=True call raises, and the
+    buffers are free afterwards (CPU stand-in: the capture itself is made to fail)."""
+    import hf_ssd.graphs as graphs
+
+    def boom(fn, warmup):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(graphs, "_capture", boom)
+    d = noisy_copy(target, 0.01)
+    with caplog.at_level(logging.WARNING, logger="hf_ssd"):
+        auto = StaticDrafter(d, None, False, 3, max_len=40, rows=2, graphs=True, strict_graphs=False)
+    assert auto.path == "static" and len(caplog.records) == 2  # trunk and tree, logged once each
+    context = prompt(1)[0].tolist()
+    assert len(auto.draft(context, 3, [1] * 4).tokens) == 3  # eager steps
+    auto.release()
+    with pytest.raises(GraphCaptureError, match="could not capture the draft step 'trunk"):
+        StaticDrafter(d, None, False, 3, max_len=40, rows=2, graphs=True, strict_graphs=True)
+    assert not sd._states[d][True].busy
 
 
 def test_step_runner_eager_on_cpu():
