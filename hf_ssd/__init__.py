@@ -15,6 +15,7 @@ import importlib
 
 from .config import SSDConfig, SSDConfigError
 from .drafter import UnsupportedDraftError
+from .graphs import GraphCaptureError
 from .integration import SSDUsageError, disable, enable, is_enabled, last_stats
 from .layouts import LayoutError
 from .stats import SSDStats
@@ -46,6 +47,7 @@ __all__ = [
     "SSDStats",
     "SSDUsageError",
     "UnsupportedDraftError",
+    "GraphCaptureError",
     "LayoutError",
     "disable",
     "enable",

@@ -63,6 +63,12 @@ class SSDConfig:
             `torch.get_num_threads()`, all cores by default).
         hit_rate_warning: warn when a call's cache hit rate is below this (0 disables).
         record_timeline: keep per-round timing events in the stats (for `hf_ssd.plot_timeline`).
+        static_draft: draft with preallocated KV caches and fixed one-token step shapes (`hf_ssd/static_draft.py`)
+            instead of growing DynamicCaches. `None`: on when the draft is on CUDA (where graphs need it), off on
+            CPU. Drafts it cannot drive (sliding-window, ALiBi, flash attention) use the dynamic path, logged.
+        cuda_graphs: capture each static draft step once as a CUDA graph and replay it. `None`: on for CUDA
+            drafts on the static path. `True` turns the static path on; on CPU it then runs without graphs;
+            on CUDA a failed capture raises (with `None` it is logged and the step runs eagerly).
     """
 
     gamma: int = 4
@@ -80,6 +86,8 @@ class SSDConfig:
     cpu_threads: int | None = None
     hit_rate_warning: float = 0.6
     record_timeline: bool = False
+    static_draft: bool | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +135,12 @@ class SSDConfig:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         if not isinstance(self.record_timeline, bool):
             raise SSDConfigError(f"SSDConfig.record_timeline must be a bool, got {self.record_timeline!r}.")
+        for name in ("static_draft", "cuda_graphs"):
+            if not any(getattr(self, name) is v for v in (None, True, False)):  # 1 == True: check identity
+                raise SSDConfigError(f"SSDConfig.{name} must be True, False or None (auto), got {getattr(self, name)!r}.")
+        if self.cuda_graphs is True and self.static_draft is False:
+            raise SSDConfigError("SSDConfig.cuda_graphs=True needs the static draft path: CUDA graphs replay fixed "
+                                 "shapes. Remove static_draft=False (or set cuda_graphs=False).")
 
     def resolved_budget(self, on_gpu: bool) -> tuple[int, int]:
         """(fan-out budget, max outcomes) with the `None` defaults filled in for this placement."""
@@ -137,6 +151,11 @@ class SSDConfig:
         if limit is None:
             limit = sum(self.fanout) if isinstance(self.fanout, list) else budget
         return budget, limit
+
+    def resolved_draft_path(self, draft_on_cuda: bool) -> tuple[bool, bool]:
+        """(static draft path, CUDA graphs) with the `None` defaults filled in for where the draft runs."""
+        static = self.static_draft if self.static_draft is not None else (self.cuda_graphs is True or draft_on_cuda)
+        return static, static and draft_on_cuda and self.cuda_graphs is not False
 
     @property
     def effective_fallback_gamma(self) -> int:

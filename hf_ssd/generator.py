@@ -20,11 +20,11 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .cache import Branch, SpeculationCache
 from .config import SSDConfig
-from .drafter import Drafter
 from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import predict_outcomes
 from .speculator import Speculator
+from .static_draft import make_drafter
 from .stats import SSDStats
 
 
@@ -55,11 +55,12 @@ class SSDCandidateGenerator(CandidateGenerator):
             gen = torch.Generator(device=draft_model.device)
             gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
         top_k = max(self._max_fanout(), 1) + 1
-        self.drafter = Drafter(draft_model, logits_processor, do_sample, top_k, config.saguaro_c, gen, out_vocab)
+        self.drafter = make_drafter(draft_model, config, logits_processor, do_sample, top_k, gen, out_vocab,
+                                    self.max_length, min(self.max_outcomes, config.cache_size))
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         self.acceptance = AcceptanceTracker(config.initial_acceptance)
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
-        self.stats = SSDStats(layout=layout)
+        self.stats = SSDStats(layout=layout, draft_path=getattr(self.drafter, "path", "dynamic"))
         self.hooks = hooks or {}  # test hooks: stage name -> callable, for fault injection
         self.round = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (context, candidates) being verified
@@ -202,6 +203,7 @@ class SSDCandidateGenerator(CandidateGenerator):
 
     def close(self) -> None:
         self.speculator.close()
+        getattr(self.drafter, "release", lambda: None)()  # static buffers go back for the next call
         self.stats.evictions = self.cache.evictions
         self.stats.draft_forwards = self.drafter.forwards
         self.cache.clear()

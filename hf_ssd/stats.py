@@ -51,6 +51,7 @@ class SSDStats:
     overlap_time: float = 0.0
     draft_forwards: int = 0
     layout: str = ""
+    draft_path: str = ""  # "dynamic", "static" or "static+graphs"
     timeline: list = field(default_factory=list, repr=False)
     intervals: dict = field(default_factory=dict, repr=False)  # busy (start, end) lists: verify/speculate/fallback
 

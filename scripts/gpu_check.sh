@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One-shot check of hf_ssd on a GPU machine (no network needed): environment, the test suite with the CUDA
-# tests enabled, the layout="stream" exactness tests (tests/test_cuda.py), and the layout benchmark on the
-# SYNTHETIC 1b-8b pair. Every stage has its own timeout; the whole run stays under 8 minutes. The layout
-# benchmark's table is printed last.
+# One-shot check of hf_ssd on a GPU machine (no network needed): environment, the CUDA tests (stream and
+# device layouts, each draft path: dynamic, static eager, static with CUDA graphs), the layout benchmark on the
+# SYNTHETIC 1b-8b pair in bf16 (AR, SD, SSD inline/stream per draft path; timeline PNG and profiler trace), then
+# the CPU test suite in the budget left. Every stage has its own timeout; the whole run stays under 8 minutes.
+# The layout benchmark's table is printed last.
 #
 #   scripts/gpu_check.sh                 # on the GPU machine, from anywhere
 #   scripts/gpu_check.sh --cpu-dry-run   # the same stages, tiny, on CPU; GPU-only stages are skipped
@@ -10,12 +11,12 @@
 # Options: --cpu-dry-run, --skip-install (do not pip install the package), --help.
 # Environment: PYTHON (default: python or python3), GPU_CHECK_OUT (default: bench_out/gpu_check),
 #              BENCH_ARGS (extra arguments for scripts/layout_bench.py), GPU_CHECK_BUDGET (seconds for the
-#              whole run, default 470: no stage may run past it), SUITE_LIMIT / CUDA_LIMIT / BENCH_LIMIT
-#              (per-stage limits in seconds, default 200 / 80 / 150).
+#              whole run, default 470: no stage may run past it), CUDA_LIMIT / BENCH_LIMIT / SUITE_LIMIT
+#              (per-stage limits in seconds, default 150 / 180 / 120).
 
 set -u -o pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 
 MODE=gpu
 INSTALL=1
@@ -34,7 +35,7 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 OUT="${GPU_CHECK_OUT:-$ROOT/bench_out/gpu_check}"
 mkdir -p "$OUT"
 BENCH_TXT="$OUT/layout_bench.txt"
-rm -f "$BENCH_TXT" "$OUT/layout_bench.json"  # never show a table from an earlier run
+rm -f "$BENCH_TXT" "$OUT/layout_bench.json" "$OUT/timeline.png" "$OUT/profile.json.gz"  # nothing from an earlier run
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # importable even if the install stage fails
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
@@ -45,7 +46,7 @@ T_ALL=$(date +%s)
 DEADLINE=$(( T_ALL + ${GPU_CHECK_BUDGET:-470} ))
 
 # stage NAME LIMIT_S CMD...: run CMD under a timeout (never past the run's deadline), record
-# PASS / FAIL (rc) / TIMEOUT. With SOFT=1 in its environment a failure is only a warning.
+# PASS / FAIL (rc) / TIMEOUT. With SOFT=1 in its environment a failure or timeout is only a warning.
 stage() {
   local name=$1 limit=$2
   shift 2
@@ -66,7 +67,7 @@ stage() {
     status=PASS
   elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     status="TIMEOUT (${limit}s)"
-    FAILED=1
+    if [ "${SOFT:-0}" = 1 ]; then status="$status, continuing"; else FAILED=1; fi
   elif [ "${SOFT:-0}" = 1 ]; then
     status="WARN (rc $rc), continuing"
   else
@@ -124,33 +125,35 @@ for i in range(torch.cuda.device_count()):
     print(f"cuda:{i} {p.name} {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")
 EOF
 
-# ----- tests -----------------------------------------------------------------------------------------------
+# ----- tests and benchmark ------------------------------------------------------------------------------------
+# GPU-only evidence first (CUDA tests, then the benchmark); the CPU suite last, in whatever budget is left.
+BENCH_COMMON="--gamma 4 --agreement 0.9 --sd-defaults --sd-tokens 4,6 --draft-paths dynamic,static,graphs"
 if [ "$MODE" = gpu ]; then
-  # Everything except the real-pair download and the slow soak; CUDA tests run because CUDA is present.
-  stage "pytest suite (CUDA enabled)" "${SUITE_LIMIT:-200}" "$PY" -m pytest -x -q -p no:cacheprovider -m "not realpair and not slow" \
-    --ignore=tests/test_cuda.py tests
-  stage "pytest tests/test_cuda.py (layout=stream/device)" "${CUDA_LIMIT:-80}" "$PY" -m pytest -x -q -p no:cacheprovider -rs \
-    tests/test_cuda.py
+  stage "pytest tests/test_cuda.py (stream/device layouts x dynamic/static/graphs)" "${CUDA_LIMIT:-150}" \
+    "$PY" -m pytest -x -q -p no:cacheprovider -rs tests/test_cuda.py
+  # Agreement 0.9 gives an SSD acceptance near 0.8 (docs/layouts.md, the synthetic pair table).
+  # shellcheck disable=SC2086
+  stage "layout_bench SYNTHETIC 1b-8b cuda bf16" "${BENCH_LIMIT:-180}" bash -c "set -o pipefail; \"$PY\" scripts/layout_bench.py \
+    --device cuda --shape 1b-8b --dtype bfloat16 --prompts 3 --prompt-len 64 --max-new-tokens 128 $BENCH_COMMON \
+    --timeline \"$OUT/timeline.png\" --profile \"$OUT/profile.json.gz\" \
+    --json \"$OUT/layout_bench.json\" ${BENCH_ARGS:-} 2>&1 | tee \"$BENCH_TXT\""
+  # Everything except the real-pair download and the slow soak; CUDA tests ran above. The CPU suite also runs
+  # on CPU machines, so here a failure or timeout is reported (WARN) without failing the GPU check.
+  SOFT=1 stage "pytest suite (CPU parts, CUDA present)" "${SUITE_LIMIT:-120}" "$PY" -m pytest -x -q -p no:cacheprovider \
+    -m "not realpair and not slow" --ignore=tests/test_cuda.py tests
 else
-  stage "pytest (dry run: a few CPU layout tests)" 240 "$PY" -m pytest -x -q -p no:cacheprovider \
-    tests/test_layouts.py -k "auto_is_thread or (greedy_identical_in_cpu_layouts and 0-4-sd)"
+  stage "pytest (dry run: a few CPU layout and static-path tests)" 240 "$PY" -m pytest -x -q -p no:cacheprovider \
+    tests/test_layouts.py tests/test_static_draft.py \
+    -k "auto_is_thread or (greedy_identical_in_cpu_layouts and 0-4-sd) or matches_dynamic or reach_the_host_once"
   stage "pytest tests/test_cuda.py (dry run: must all skip without CUDA)" 120 "$PY" -m pytest -q -p no:cacheprovider \
     -rs tests/test_cuda.py
-  skip "pytest suite (CUDA enabled)" "GPU only"
-fi
-
-# ----- layout benchmark ------------------------------------------------------------------------------------
-if [ "$MODE" = gpu ]; then
-  # shellcheck disable=SC2086
-  stage "layout_bench SYNTHETIC 1b-8b cuda" "${BENCH_LIMIT:-150}" bash -c "set -o pipefail; \"$PY\" scripts/layout_bench.py \
-    --device cuda --shape 1b-8b --prompts 3 --prompt-len 64 --max-new-tokens 128 --gamma 4 \
-    --json \"$OUT/layout_bench.json\" ${BENCH_ARGS:-} 2>&1 | tee \"$BENCH_TXT\""
-else
+  skip "pytest suite (CPU parts, CUDA present)" "GPU only"
   # shellcheck disable=SC2086
   stage "layout_bench SYNTHETIC tiny cpu (dry run)" 240 bash -c "set -o pipefail; \"$PY\" scripts/layout_bench.py \
-    --device cpu --shape tiny --prompts 1 --prompt-len 16 --max-new-tokens 16 --gamma 4 --torch-threads 1 \
+    --device cpu --shape tiny --prompts 1 --prompt-len 16 --max-new-tokens 16 --torch-threads 1 $BENCH_COMMON \
+    --timeline \"$OUT/timeline.png\" --profile \"$OUT/profile.json.gz\" \
     --json \"$OUT/layout_bench.json\" ${BENCH_ARGS:-} 2>&1 | tee \"$BENCH_TXT\""
-  skip "layout_bench SYNTHETIC 1b-8b cuda" "GPU only"
+  skip "layout_bench SYNTHETIC 1b-8b cuda bf16" "GPU only"
 fi
 
 # ----- summary, then the benchmark table last ---------------------------------------------------------------

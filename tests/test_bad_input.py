@@ -109,6 +109,9 @@ CONFIG_CASES = [
     ({"cpu_threads": 2.0}, "SSDConfig.cpu_threads must be an int"),
     ({"record_timeline": 1}, "SSDConfig.record_timeline must be a bool"),
     ({"record_timeline": "yes"}, "SSDConfig.record_timeline must be a bool"),
+    ({"static_draft": 1}, "SSDConfig.static_draft must be True, False or None"),
+    ({"cuda_graphs": "auto"}, "SSDConfig.cuda_graphs must be True, False or None"),
+    ({"cuda_graphs": True, "static_draft": False}, "SSDConfig.cuda_graphs=True needs the static draft path"),
 ]
 
 

@@ -55,6 +55,9 @@ def test_ssd_flags_map_to_config_fields():
     assert opts["gamma"] == 6 and opts["fanout_budget"] == 5 and opts["max_outcomes"] == 3
     assert opts["cache_size"] == 9 and opts["eviction"] == "lru" and opts["fallback"] == "ngram"
     assert opts["saguaro_c"] == 0.5 and opts["layout"] == "inline" and opts["cpu_threads"] == 1
+    assert opts["static_draft"] is None and opts["cuda_graphs"] is None  # auto by default
+    args = build_parser().parse_args(["generate", "--prompt", "p", "--static-draft", "on", "--cuda-graphs", "off"])
+    assert ssd_options(args)["static_draft"] is True and ssd_options(args)["cuda_graphs"] is False
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,6 +1,9 @@
-"""CUDA layouts: greedy exactness with layout="stream" (draft work on its own CUDA stream of the target's GPU),
-a sampling smoke test, layout="device" with the draft on the CPU next to a GPU target (and on a second GPU
-when there is one), and that neither the speculator thread nor pending work on its stream outlives `generate`.
+"""CUDA layouts: greedy exactness with layout="stream" (draft work on its own CUDA stream of the target's GPU)
+for each draft path (dynamic, static eager, static with CUDA graphs: the default on CUDA), a sampling smoke
+test and a chi-square test with graphs, layout="device" with the draft on the CPU next to a GPU target (and on
+a second GPU when there is one), that neither the speculator thread nor pending work on its stream outlives
+`generate`, and for the graphs: captured once per draft and reused across calls, no host sync inside the
+steps of a round, a failed capture logged (auto) or raised (cuda_graphs=True).
 
 The models are the float64 tiny Llamas of conftest moved to the GPU: float32 could flip near-ties between
 verifying k tokens in one forward and decoding them one by one, which would be rounding, not an SSD bug.
@@ -24,6 +27,8 @@ pytestmark = pytest.mark.cuda
 
 NEW = 24
 CASES = [(1, "sd"), (3, "short"), (4, "ar"), (5, "ngram"), (4, "sd")]  # (gamma, fallback)
+PATHS = {"graphs": {}, "static": dict(cuda_graphs=False), "dynamic": dict(static_draft=False)}
+PATH_NAMES = {"graphs": "static+graphs", "static": "static", "dynamic": "dynamic"}
 
 
 class Injected(Exception):
@@ -79,17 +84,19 @@ def assert_shut_down(made: list[Speculator]) -> None:
 
 
 # ----- stream layout ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize(("gamma", "fallback"), CASES)
-def test_stream_greedy_identical_to_target(gpu_target, gpu_drafts, speculators, seed, gamma, fallback):
+def test_stream_greedy_identical_to_target(gpu_target, gpu_drafts, speculators, seed, gamma, fallback, path):
     ids = prompt(seed)
     ref = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False)
     for name, draft in gpu_drafts.items():
         out = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft,
                                   ssd_config=SSDConfig(gamma=gamma, fallback=fallback, layout="stream",
-                                                       hit_rate_warning=0.0))
+                                                       hit_rate_warning=0.0, **PATHS[path]))
         assert out.tolist() == ref.tolist(), f"draft {name}"
-        assert hf_ssd.last_stats(gpu_target).layout == "stream"
+        st = hf_ssd.last_stats(gpu_target)
+        assert st.layout == "stream" and st.draft_path == PATH_NAMES[path]
     assert all(sp.stream is not None for sp in speculators)
     assert_shut_down(speculators)
 
@@ -152,18 +159,21 @@ def test_stream_sampling_smoke(gpu_target, gpu_drafts, speculators):
 
 
 # ----- device layout ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("static", [None, True])
 @pytest.mark.parametrize("layout", ["device", "auto"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_device_layout_cpu_draft_gpu_target(gpu_target, speculators, layout, seed):
+def test_device_layout_cpu_draft_gpu_target(gpu_target, speculators, layout, seed, static):
     cpu_draft = noisy_copy(make_model(0), 0.005)  # stays on the CPU
     ids = prompt(seed)
     ref = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False)
     out = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=cpu_draft,
-                              ssd_config=SSDConfig(gamma=4, layout=layout, hit_rate_warning=0.0))
+                              ssd_config=SSDConfig(gamma=4, layout=layout, hit_rate_warning=0.0,
+                                                   static_draft=static))
     assert out.tolist() == ref.tolist()
     assert out.device.type == "cuda"
     st = hf_ssd.last_stats(gpu_target)
     assert st.layout == "device" and st.lookups > 0
+    assert st.draft_path == ("static" if static else "dynamic")  # a CPU draft never uses graphs
     assert_shut_down(speculators)
 
 
@@ -185,6 +195,7 @@ def test_device_layout_second_gpu(gpu_target, gpu_drafts, speculators):
                               ssd_config=SSDConfig(layout="auto", hit_rate_warning=0.0))
     assert out.tolist() == ref.tolist()
     assert hf_ssd.last_stats(gpu_target).layout == "device"
+    assert hf_ssd.last_stats(gpu_target).draft_path == "static+graphs"  # captured and replayed on cuda:1
     assert_shut_down(speculators)
 
 
@@ -214,7 +225,166 @@ def test_synthetic_pair_on_cuda_is_exact_in_float64():
     hf_ssd.enable(target)
     ids = random_prompts(1, 16, 512)[0].to("cuda")
     ref = target.generate(ids, max_new_tokens=32, do_sample=False)
-    out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=draft,
-                          ssd_config=SSDConfig(layout="stream", hit_rate_warning=0.0))
-    assert out.tolist() == ref.tolist()
+    for graphs in (True, False):
+        out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=draft,
+                              ssd_config=SSDConfig(layout="stream", hit_rate_warning=0.0, cuda_graphs=graphs))
+        assert out.tolist() == ref.tolist()
+        assert hf_ssd.last_stats(target).draft_path == ("static+graphs" if graphs else "static")
     assert not speculator_threads()
+
+
+# ----- CUDA graphs ------------------------------------------------------------------------------------------------
+def fresh_draft(noise: float = 0.005):
+    return noisy_copy(make_model(0), noise).to("cuda")
+
+
+def test_graphs_captured_once_and_reused_across_calls(gpu_target, speculators):
+    import hf_ssd.static_draft as sd
+
+    draft = fresh_draft()
+    cfg = SSDConfig(layout="stream", hit_rate_warning=0.0, cuda_graphs=True)
+    for seed in range(3):
+        ids = prompt(seed)
+        ref = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False)
+        out = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft, ssd_config=cfg)
+        assert out.tolist() == ref.tolist()
+        assert hf_ssd.last_stats(gpu_target).draft_path == "static+graphs"
+        state = sd._states[draft][True]
+        if seed == 0:
+            first, graphs = state, [state.trunk_step.graph] + [r.graph for _, r in state.trees.values()]
+            replays = state.trunk_step.replays
+        assert state is first and not state.busy
+        assert [state.trunk_step.graph] + [r.graph for _, r in state.trees.values()] == graphs  # never recaptured
+    assert state.trunk_step.captured and all(r.captured for _, r in state.trees.values())
+    assert state.trunk_step.replays > replays and sum(r.replays for _, r in state.trees.values()) > 0
+    assert_shut_down(speculators)
+
+
+def test_no_host_sync_inside_draft_steps():
+    """torch's sync debug mode errors on any synchronising call; only the end-of-round transfers are allowed."""
+    import hf_ssd.static_draft as sd
+    from hf_ssd.outcomes import Outcome
+
+    draft = fresh_draft()
+    sta = sd.StaticDrafter(draft, None, True, 3, 0.5, torch.Generator(device="cuda").manual_seed(0), max_len=256,
+                           rows=4, graphs=True, strict_graphs=True)
+    context = prompt(1, 10, device="cpu")[0].tolist()
+    sta.record(context, len(context) - 1)
+    sta.candidate_tops(len(context), 0)
+    real = sd.host_list
+
+    def allowed(t):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    sd.host_list = allowed
+    event_sync = torch.cuda.Event.synchronize
+
+    def between_steps(self):  # the tree loop waits for step j - 2 before step j: allowed, it is not in a step
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return event_sync(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    torch.cuda.Event.synchronize = between_steps
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        result = sta.draft(context, 4, [2] * 5)
+        outcomes = [Outcome(0, 5), Outcome(1, 6), Outcome(0, 7)]
+        tree = sta.start_tree(len(context), outcomes)
+        drafted = sta.tree_steps(tree, outcomes, 4, [2] * 5, lambda: False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        sd.host_list = real
+        torch.cuda.Event.synchronize = event_sync
+        sta.release()
+    assert len(result.tokens) == 4
+    assert all(len(r.tokens) == 4 and r.logits.shape == (4, 96) for _, r in drafted)
+    assert sta.state.trunk_step.captured and sta.state.trunk_step.replays >= 3
+
+
+def test_graph_capture_failure_logged_or_raised(gpu_target, caplog, monkeypatch):
+    """A forward that syncs with the host cannot be captured: auto falls back to eager steps, True raises."""
+    import functools
+    import logging
+
+    from hf_ssd import GraphCaptureError
+
+    for strict in (False, True):
+        draft = fresh_draft()
+        forward = draft.forward
+
+        @functools.wraps(forward)
+        def syncing_forward(*args, _forward=forward, **kwargs):
+            out = _forward(*args, **kwargs)
+            out.logits.sum().item()  # a host sync: illegal while a stream is capturing
+            return out
+
+        monkeypatch.setattr(draft, "forward", syncing_forward)
+        ids = prompt(3)
+        cfg = SSDConfig(layout="stream", hit_rate_warning=0.0, cuda_graphs=True if strict else None)
+        if strict:
+            with pytest.raises(GraphCaptureError, match="could not capture the draft step"):
+                gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft, ssd_config=cfg)
+        else:
+            ref = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="hf_ssd"):
+                out = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft,
+                                          ssd_config=cfg)
+            assert out.tolist() == ref.tolist()
+            assert "capture of draft step" in caplog.text
+            assert hf_ssd.last_stats(gpu_target).draft_path == "static"  # graphs asked for, none captured
+        assert not speculator_threads()
+
+
+def test_stream_graphs_sampling_matches_target_distribution():
+    """The chi-square test of tests/test_sampling.py with the stream layout and graphs (false fail < 1e-4)."""
+    from test_sampling import ALPHA, GEN, PROMPT, L, N, V, chi_square_p, exact_joint, marginal
+
+    cpu_target = make_model(3, vocab_size=V, hidden=32)
+    for m in (cpu_target,):
+        m.generation_config.eos_token_id = None
+        m.config.eos_token_id = None
+    draft = noisy_copy(cpu_target, 0.3, seed=5)
+    draft.generation_config.eos_token_id = None
+    draft.config.eos_token_id = None
+    joint = exact_joint(cpu_target)
+    target, draft = cpu_target.to("cuda"), draft.to("cuda")
+    hf_ssd.enable(target)
+    config = SSDConfig(gamma=2, fanout_budget=4, layout="stream", hit_rate_warning=0.0)
+    torch.manual_seed(77)
+    samples, hits = [], 0
+    ids = torch.tensor([PROMPT], device="cuda")
+    for _ in range(N):
+        out = target.generate(ids, max_new_tokens=L, assistant_model=draft, ssd_config=config, **GEN)
+        samples.append(tuple(out[0, len(PROMPT):].tolist()))
+        st = hf_ssd.last_stats(target)
+        assert st.draft_path == "static+graphs"
+        hits += st.cache_hits
+    assert hits > 0
+    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
+        observed: dict = {}
+        for sample in samples:
+            key = tuple(sample[i] for i in positions)
+            observed[key] = observed.get(key, 0) + 1
+        p = chi_square_p(observed, marginal(joint, positions), N)
+        assert p > ALPHA, f"positions {positions} deviate from the target distribution (p={p:.2e})"
+
+
+def test_graphs_under_inference_mode(gpu_target, speculators):
+    """Pipelines and the CLI run generate under torch.inference_mode(); the speculator thread does not."""
+    draft = fresh_draft()
+    ids = prompt(6)
+    ref = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    for mode in (True, False, True):
+        with torch.inference_mode(mode):
+            out = gpu_target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft,
+                                      ssd_config=SSDConfig(layout="stream", hit_rate_warning=0.0))
+        assert out.tolist() == ref.tolist()
+        assert hf_ssd.last_stats(gpu_target).draft_path == "static+graphs"
+    assert_shut_down(speculators)

@@ -94,6 +94,7 @@ def ssd_configs(draw) -> SSDConfig:
         cpu_threads=draw(st.none() | st.just(1)),
         hit_rate_warning=0.0,
         record_timeline=draw(st.booleans()),
+        static_draft=draw(st.none() | st.booleans()),  # on CPU: None is the dynamic path, True the static one
     )
 
 
@@ -209,6 +210,8 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "cpu_threads": st.none() | st.integers(1, 1024),
     "hit_rate_warning": fraction,
     "record_timeline": st.booleans(),
+    "static_draft": st.none() | st.booleans(),
+    "cuda_graphs": st.none() | st.booleans(),
 }
 assert set(VALID) == set(SSDConfig.__dataclass_fields__)
 

@@ -320,7 +320,7 @@ def test_layout_bench_markdown_labels_synthetic():
             {"method": "AR", "layout": "-", "tok_s": 5.0, "identical": "1/1"}]
     text = bench.markdown(rows, f"{LABEL} test")
     assert LABEL in text.splitlines()[0] and LABEL in text.splitlines()[-1]
-    assert "| AR | - | 5.0 | 0.50x | - |" in text
+    assert "| AR | - | - | 5.0 | 0.50x | - |" in text
 
 
 # ----- the GPU check script -----------------------------------------------------------------------------------

@@ -69,12 +69,23 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
         g.add_argument("--layout", choices=LAYOUTS, default=d.layout, help="where the speculator runs")
     g.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
                    help="torch threads for each of verifier and speculator on CPU (default: the torch thread setting)")
+    g.add_argument("--static-draft", type=_tristate, default=d.static_draft, metavar="{auto,on,off}",
+                   help="static-shape draft path (auto: on for CUDA drafts)")
+    g.add_argument("--cuda-graphs", type=_tristate, default=d.cuda_graphs, metavar="{auto,on,off}",
+                   help="CUDA graphs for the static draft steps (auto: on for CUDA drafts)")
+
+
+def _tristate(text: str):
+    values = {"auto": None, "on": True, "off": False}
+    if text not in values:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+    return values[text]
 
 
 def ssd_options(args) -> dict:
     """The SSDConfig fields given on the command line (gamma/layout only where the command has them)."""
     keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "eviction", "fallback", "fallback_gamma",
-            "saguaro_c", "cpu_threads", "gamma", "layout"]
+            "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs"]
     return {k: getattr(args, k) for k in keys if hasattr(args, k)}
 
 
