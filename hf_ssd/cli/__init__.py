@@ -70,9 +70,9 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
     g.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
                    help="torch threads for each of verifier and speculator on CPU (default: the torch thread setting)")
     g.add_argument("--static-draft", type=_tristate, default=d.static_draft, metavar="{auto,on,off}",
-                   help="static-shape draft path (auto: on for CUDA drafts)")
+                   help="static-shape draft path (default: auto, on for CUDA drafts)")
     g.add_argument("--cuda-graphs", type=_tristate, default=d.cuda_graphs, metavar="{auto,on,off}",
-                   help="CUDA graphs for the static draft steps (auto: on for CUDA drafts)")
+                   help="CUDA graphs for the static draft steps (default: auto, on for CUDA drafts)")
 
 
 def _tristate(text: str):
