@@ -39,6 +39,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         out_vocab: int,
         cpu_threads: int | None = None,
         hooks: dict | None = None,
+        prompt_mask: torch.Tensor | None = None,
     ):
         self.config = config
         self.max_length = generation_config.max_length
@@ -55,7 +56,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             gen = torch.Generator(device=draft_model.device)
             gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
         top_k = max(self._max_fanout(), 1) + 1
-        self.drafter = Drafter(draft_model, logits_processor, do_sample, top_k, config.saguaro_c, gen, out_vocab)
+        self.drafter = Drafter(
+            draft_model, logits_processor, do_sample, top_k, config.saguaro_c, gen, out_vocab, prompt_mask
+        )
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         self.acceptance = AcceptanceTracker(config.initial_acceptance)
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)

@@ -20,6 +20,7 @@ from transformers import GenerationMixin
 
 from .config import SSDConfig
 from .generator import SSDCandidateGenerator
+from .kvcache import check_draft, stateful_reason
 from .layouts import resolve_layout, thread_settings
 from .stats import SSDStats
 
@@ -69,6 +70,7 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
     gen = SSDCandidateGenerator(
         assistant_model, call["config"], generation_config, logits_processor, call["layout"],
         out_vocab=self.config.get_text_config().vocab_size, cpu_threads=call["cpu_threads"], hooks=call["hooks"],
+        prompt_mask=model_kwargs.get("attention_mask"),  # the caller's padding, which the draft must honour too
     )
     call["generator"] = gen
     return gen
@@ -172,7 +174,17 @@ def _validate_call(model, draft, args, kwargs) -> None:
         "do_sample", "assistant_early_exit", "assistant_ensemble_weight", "use_cache",
     )}
     if merged["use_cache"] is False:
-        raise SSDUsageError("SSD verifies and drafts with KV caches; remove use_cache=False.")
+        if kwargs.get("use_cache") is False:
+            raise SSDUsageError("SSD verifies and drafts with KV caches; remove use_cache=False.")
+        # Not the caller's argument: the generation config says so (e.g. MptConfig defaults to use_cache=False),
+        # and transformers' assisted decoding would stop with "Assisted decoding requires a cache".
+        where = "the generation_config passed" if kwargs.get("generation_config") is not None else (
+            f"the target's generation_config (from {type(model.config).__name__}, whose use_cache is False)"
+        )
+        raise SSDUsageError(
+            f"SSD verifies and drafts with KV caches, but use_cache=False comes from {where}; pass use_cache=True "
+            "to generate (or set model.generation_config.use_cache = True)."
+        )
     if (merged["num_beams"] or 1) > 1:
         raise SSDUsageError("SSD supports greedy and sampling only; beam search (num_beams > 1) is not supported.")
     if (merged["num_return_sequences"] or 1) > 1:
@@ -196,19 +208,45 @@ def _validate_call(model, draft, args, kwargs) -> None:
         )
     if model.config.is_encoder_decoder:
         raise SSDUsageError("SSD supports decoder-only models; encoder-decoder models are not supported.")
-    t_vocab = model.config.get_text_config().vocab_size
-    d_vocab = draft.config.get_text_config().vocab_size
-    if t_vocab != d_vocab:
-        raise SSDUsageError(
-            f"Draft and target vocabularies differ (draft {d_vocab} vs target {t_vocab} tokens): SSD needs a "
-            "draft that shares the target's tokenizer. Pick a draft of the same model family."
-        )
+    why = stateful_reason(model)
+    if why is not None:
+        raise SSDUsageError(f"SSD cannot use this target: {why}. Use a transformer (attention) target.")
+    check_draft(draft)
+    _check_vocab(model, draft, kwargs.get("tokenizer"))
     t_eos, d_eos = _eos(model), _eos(draft)
     if t_eos and d_eos and t_eos.isdisjoint(d_eos):
         raise SSDUsageError(
             f"Draft and target disagree on the end-of-sequence token (draft {sorted(d_eos)}, target "
             f"{sorted(t_eos)}): they do not share a tokenizer. Pick a draft of the same model family."
         )
+
+
+def _check_vocab(model, draft, tokenizer) -> None:
+    """Equal vocabulary sizes, or sizes that differ only by embedding padding beyond the caller's tokenizer."""
+    t_vocab = model.config.get_text_config().vocab_size
+    d_vocab = draft.config.get_text_config().vocab_size
+    if t_vocab == d_vocab:
+        return
+    # Checkpoints often pad the embedding to a multiple of 64/128 (Qwen2.5-7B: 152064 rows, 0.5B: 151936). The
+    # configs alone cannot tell padding from another vocabulary; the shared tokenizer can: every id it produces
+    # is below both sizes, so both models cover the same ids.
+    n_tok = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
+    if n_tok is not None and n_tok <= min(t_vocab, d_vocab):
+        return
+    if n_tok is None:
+        hint = (
+            "If both use one tokenizer and only the embedding padding differs (e.g. Qwen2.5-7B vs 0.5B), pass it "
+            "as generate(..., tokenizer=tokenizer); otherwise pick a draft of the same model family."
+        )
+    else:
+        hint = (
+            f"The tokenizer passed has {n_tok} tokens, more than the smaller model covers, so this is not just "
+            "padding. Pick a draft of the same model family."
+        )
+    raise SSDUsageError(
+        f"Draft and target vocabularies differ (draft {d_vocab} vs target {t_vocab} tokens): SSD needs a draft "
+        f"that shares the target's tokenizer. {hint}"
+    )
 
 
 def _eos(model) -> set[int]:
