@@ -12,8 +12,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers import DynamicCache, cache_utils
 
 
 class UnsupportedDraftError(ValueError):
@@ -22,7 +21,9 @@ class UnsupportedDraftError(ValueError):
 
 # Cache layers whose tensors are plain [batch, heads, seq, dim] keys/values for every token (a sliding layer
 # only drops old columns, which the drafter keeps instead and masks).
-_DRIVABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_DRIVABLE_LAYERS = tuple(
+    getattr(cache_utils, name) for name in ("DynamicLayer", "DynamicSlidingWindowLayer") if hasattr(cache_utils, name)
+)
 
 
 def stateful_reason(model) -> str | None:
