@@ -217,9 +217,9 @@ class Drafter:
         g = T - context_len
         offsets = [g - o.accepted for o in outcomes]
         # Row r: g - k_r filler columns (a copy of column 0, masked), then trunk columns [0, L0 + k_r).
-        index = torch.tensor([[0] * off + list(range(T - off)) for off in offsets], device=self.device)
-        valid = self.view.valid(T)
-        mask = torch.stack([torch.cat([valid.new_zeros(off), valid[: T - off]]) for off in offsets])
+        shifted = torch.arange(T, device=self.device) - torch.tensor(offsets, device=self.device).unsqueeze(1)
+        index = shifted.clamp(min=0)
+        mask = self.view.valid(T)[index] * (shifted >= 0)
         cache = self._new_cache()
         for i, layer in enumerate(self.cache.layers):
             k, v = layer.keys[0], layer.values[0]  # [heads, T, dim]
