@@ -22,6 +22,7 @@ from .config import SSDConfig
 from .generator import SSDCandidateGenerator
 from .kvcache import check_draft, stateful_reason
 from .layouts import resolve_layout, thread_settings
+from .probe import probe_draft
 from .stats import SSDStats
 
 logger = logging.getLogger("hf_ssd")
@@ -102,6 +103,7 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     hooks = kwargs.pop("_ssd_hooks", None)
     _validate_call(model, draft, args, kwargs)
     layout = resolve_layout(config.layout, model, draft)
+    probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
     call = {"model": model, "config": config, "layout": layout, "hooks": hooks, "generator": None,
             "cpu_threads": None}
     if getattr(_active, "call", None) is not None:

@@ -326,6 +326,54 @@ def test_stateful_family_refused_as_target(name):
                         ssd_config=SSDConfig(layout="inline"))
 
 
+class BatchShy(tf.LlamaForCausalLM):
+    """Stands in for architectures that build their own masks and fail on a batch (CPM-Ant)."""
+
+    def forward(self, input_ids=None, **kwargs):
+        if input_ids is not None and input_ids.shape[0] > 1:
+            raise RuntimeError("this model takes one sequence at a time")
+        return super().forward(input_ids=input_ids, **kwargs)
+
+    forward.__signature__ = inspect.signature(tf.LlamaForCausalLM.forward)  # what the drafter inspects
+
+
+class PositionBlind(tf.LlamaForCausalLM):
+    """Stands in for architectures that take positions from the cache length, not from position_ids (TrOCR)."""
+
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
+        return super().forward(input_ids=input_ids, **kwargs)
+
+    forward.__signature__ = inspect.signature(tf.LlamaForCausalLM.forward)
+
+
+def _twin(cls, target):
+    model = cls(target.config).double().eval()
+    model.load_state_dict(target.state_dict())
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_draft_failing_on_the_batched_step_is_refused_up_front():
+    target = hf_ssd.enable(build("llama"))
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(UnsupportedDraftError, match=re.escape("fails on the drafter's batched step")):
+            target.generate(torch.tensor([PROMPT]), max_new_tokens=8, assistant_model=_twin(BatchShy, target),
+                            ssd_config=SSDConfig(layout="inline"))
+    finally:
+        handle.remove()
+    assert not calls, "the target ran before the draft was refused"
+
+
+def test_draft_disagreeing_with_itself_in_a_batch_is_served_with_a_warning(caplog):
+    target, _, _ = pair("llama")
+    with caplog.at_level("WARNING", logger="hf_ssd"):
+        stats = run(target, _twin(PositionBlind, target))
+    assert "computes branch tokens differently in a batch than alone" in caplog.text
+    assert stats.proposed_tokens > 0  # exact (checked in run), only slower
+
+
 def test_mpt_default_use_cache_is_named():
     """MptConfig's default use_cache=False: the message says where it comes from and what to pass."""
     target = hf_ssd.enable(build("mpt"))
