@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .kvcache import SequenceView, UnsupportedDraftError, new_cache
+from .kvcache import SequenceView, UnsupportedDraftError, holds_tensors, new_cache
 from .outcomes import Outcome
 
 TopProbs = tuple[torch.Tensor, torch.Tensor]  # (probabilities, token ids), most likely first
@@ -222,6 +222,8 @@ class Drafter:
         mask = self.view.valid(T)[index] * (shifted >= 0)
         cache = self._new_cache()
         for i, layer in enumerate(self.cache.layers):
+            if not holds_tensors(layer):
+                continue
             k, v = layer.keys[0], layer.values[0]  # [heads, T, dim]
             cache.update(k[:, index].transpose(0, 1), v[:, index].transpose(0, 1), i)
         return TreeBatch(cache, context_len, T, list(self.ids), dict(self.top), offsets, mask)
@@ -288,6 +290,8 @@ class Drafter:
         # The row's valid columns are contiguous: trunk[:keep] right-aligned, then the fed tokens.
         lo, hi = tree.offsets[r], tree.trunk_len + fed
         for i, layer in enumerate(tree.cache.layers):
+            if not holds_tensors(layer):
+                continue
             cache.update(layer.keys[r : r + 1, :, lo:hi].clone(), layer.values[r : r + 1, :, lo:hi].clone(), i)
         self.cache = cache
         self.ids = tree.trunk_ids[:keep] + [o.bonus] + tokens[: fed - 1]

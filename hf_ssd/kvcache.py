@@ -21,9 +21,19 @@ class UnsupportedDraftError(ValueError):
 
 # Cache layers whose tensors are plain [batch, heads, seq, dim] keys/values for every token (a sliding layer
 # only drops old columns, which the drafter keeps instead and masks).
+# `DummyLayer`: a layer that stores nothing (MLP-only layers, or KV-sharing consumers such as Gemma 3n's last
+# layers, which reuse a producer layer's keys within the same forward): nothing to crop or batch there.
 _DRIVABLE_LAYERS = tuple(
-    getattr(cache_utils, name) for name in ("DynamicLayer", "DynamicSlidingWindowLayer") if hasattr(cache_utils, name)
+    getattr(cache_utils, name)
+    for name in ("DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer")
+    if hasattr(cache_utils, name)
 )
+
+
+def holds_tensors(layer) -> bool:
+    """False for a layer that stores nothing (created lazily between two producers, or a dummy)."""
+    keys = getattr(layer, "keys", None)
+    return isinstance(keys, torch.Tensor) and keys.dim() == 4
 
 
 def stateful_reason(model) -> str | None:

@@ -48,6 +48,10 @@ FAMILIES: dict[str, tuple[type, dict]] = {
     "gemma2": (tf.Gemma2Config, {**LLAMA_LIKE, "head_dim": 16, **HYBRID}),
     "gemma2+long_sw": (tf.Gemma2Config, {**LLAMA_LIKE, "head_dim": 16, **HYBRID, "sliding_window": 64}),
     "gemma3_text": (tf.Gemma3TextConfig, {**LLAMA_LIKE, "head_dim": 16, **HYBRID}),
+    "gemma3n_text": (tf.Gemma3nTextConfig, {**LLAMA_LIKE, "num_hidden_layers": 4, "head_dim": 16, **HYBRID,
+                                            "layer_types": HYBRID["layer_types"] * 2, "num_kv_shared_layers": 2,
+                                            "altup_num_inputs": 2, "laurel_rank": 8, "hidden_size_per_layer_input": 8,
+                                            "vocab_size_per_layer_input": V, "activation_sparsity_pattern": [0.0] * 4}),
     "gpt_oss": (tf.GptOssConfig, {**LLAMA_LIKE, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                                   **HYBRID}),
     "cohere2": (tf.Cohere2Config, {**LLAMA_LIKE, **HYBRID}),
@@ -68,6 +72,15 @@ FAMILIES: dict[str, tuple[type, dict]] = {
     "mixtral": (tf.MixtralConfig, {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "mixtral+sw": (tf.MixtralConfig, {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2,
                                       "sliding_window": W}),
+    "llama4_text": (tf.Llama4TextConfig, {**LLAMA_LIKE, "head_dim": 16, "num_local_experts": 2,
+                                          "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
+                                          "attention_chunk_size": W, "no_rope_layers": [1, 0]}),
+    "deepseek_v3": (tf.DeepseekV3Config, {**LLAMA_LIKE, "num_key_value_heads": 2, "kv_lora_rank": 16,
+                                          "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                          "v_head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1,
+                                          "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                          "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "ministral": (tf.MinistralConfig, {**LLAMA_LIKE, "head_dim": 16, **HYBRID}),
     "qwen2_moe": (tf.Qwen2MoeConfig, {**LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
 }
@@ -152,7 +165,7 @@ def alone(model, seq: list[int], pads: int = 0) -> torch.Tensor:
     return torch.softmax(model(torch.tensor([seq]), **kw).logits[0, -1].double(), -1)
 
 
-TREE_FAMILIES = ["llama", "mistral+sw", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "bloom", "falcon+alibi",
+TREE_FAMILIES = ["llama", "mistral+sw", "gemma2", "gemma3_text", "gemma3n_text", "llama4_text", "gpt_oss", "cohere2", "bloom", "falcon+alibi",
                  "mpt", "gpt2", "opt", "starcoder2", "olmo3", "phi3+sw", "qwen2+sw"]
 
 
@@ -322,6 +335,18 @@ def test_stateful_family_refused_as_target(name):
     target = hf_ssd.enable(_stateful(name))
     _, _, draft = pair("llama")
     with pytest.raises(SSDUsageError, match=re.escape(STATEFUL_MODEL)):
+        target.generate(torch.tensor([PROMPT]), max_new_tokens=4, assistant_model=draft,
+                        ssd_config=SSDConfig(layout="inline"))
+
+
+def test_conv_state_draft_refused():
+    """LFM2's short-convolution layers keep a rolling state, not per-token keys: it serves as a target (transformers
+    crops it), but the drafter cannot batch branches over it, so as a draft it is refused up front."""
+    config = tf.Lfm2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, layer_types=["conv", "full_attention"], **COMMON)
+    draft = tf.AutoModelForCausalLM.from_config(config).double().eval()
+    target, _, _ = pair("llama")
+    with pytest.raises(UnsupportedDraftError, match=re.escape(STATEFUL_DRAFT)):
         target.generate(torch.tensor([PROMPT]), max_new_tokens=4, assistant_model=draft,
                         ssd_config=SSDConfig(layout="inline"))
 
