@@ -4,7 +4,7 @@ The drafter keeps every draft layer's keys and values for the whole sequence in 
 sliding-window layers: a sliding layer is then just a full layer whose mask hides keys outside its window, and
 the model builds that windowed mask itself from a 2D padding mask, the same way it does when it runs alone.
 Cropping, batching and branch adoption are then the same column slices for every layer kind. What cannot be
-driven this way (recurrent state, linear attention, KV sharing, ...) is refused here with one clear error.
+driven this way (recurrent, linear-attention or convolution state, ...) is refused here with one clear error.
 """
 
 from __future__ import annotations
