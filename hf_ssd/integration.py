@@ -161,7 +161,8 @@ def _validate_call(model, draft, args, kwargs) -> None:
             "ssd_config needs a draft model: call generate(..., assistant_model=draft, ssd_config=...). "
             "SSD pre-drafts with the assistant model while the target verifies."
         )
-    if kwargs.get("assistant_tokenizer") is not None:
+    atok = kwargs.get("assistant_tokenizer")
+    if atok is not None and not _same_tokenizer(atok, kwargs.get("tokenizer"), model, draft):
         raise SSDUsageError(
             "SSD needs the draft and the target to share one tokenizer; remove assistant_tokenizer (universal "
             "assisted generation across tokenizers is not supported with ssd_config)."
@@ -214,7 +215,10 @@ def _validate_call(model, draft, args, kwargs) -> None:
     if why is not None:
         raise SSDUsageError(f"SSD cannot use this target: {why}. Use a transformer (attention) target.")
     check_draft(draft)
-    _check_vocab(model, draft, kwargs.get("tokenizer"))
+    if _check_vocab(model, draft, kwargs.get("tokenizer")):
+        # transformers' generate only lets vocabularies of two sizes through with both tokenizers given (it
+        # then expects universal assisted decoding, which SSD's generator replaces): the draft's is the same one.
+        kwargs.setdefault("assistant_tokenizer", kwargs["tokenizer"])
     t_eos, d_eos = _eos(model), _eos(draft)
     if t_eos and d_eos and t_eos.isdisjoint(d_eos):
         raise SSDUsageError(
@@ -223,18 +227,31 @@ def _validate_call(model, draft, args, kwargs) -> None:
         )
 
 
-def _check_vocab(model, draft, tokenizer) -> None:
-    """Equal vocabulary sizes, or sizes that differ only by embedding padding beyond the caller's tokenizer."""
+def _same_tokenizer(a, b, model, draft) -> bool:
+    """assistant_tokenizer is only served when it is the target's tokenizer and the sizes differ by padding."""
+    if b is None or model.config.get_text_config().vocab_size == draft.config.get_text_config().vocab_size:
+        return False  # equal sizes: transformers refuses assistant_tokenizer too; say it first
+    if a is b:
+        return True
+    try:
+        return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+    except (AttributeError, TypeError):
+        return False
+
+
+def _check_vocab(model, draft, tokenizer) -> bool:
+    """Equal vocabulary sizes (False), or sizes that differ only by embedding padding beyond the caller's
+    tokenizer (True); anything else is refused."""
     t_vocab = model.config.get_text_config().vocab_size
     d_vocab = draft.config.get_text_config().vocab_size
     if t_vocab == d_vocab:
-        return
+        return False
     # Checkpoints often pad the embedding to a multiple of 64/128 (Qwen2.5-7B: 152064 rows, 0.5B: 151936). The
     # configs alone cannot tell padding from another vocabulary; the shared tokenizer can: every id it produces
     # is below both sizes, so both models cover the same ids.
     n_tok = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
     if n_tok is not None and n_tok <= min(t_vocab, d_vocab):
-        return
+        return True
     if n_tok is None:
         hint = (
             "If both use one tokenizer and only the embedding padding differs (e.g. Qwen2.5-7B vs 0.5B), pass it "

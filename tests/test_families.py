@@ -10,6 +10,7 @@ windowed masks and positions match what the model computes alone.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 from pathlib import Path
@@ -227,6 +228,15 @@ def test_left_padding_is_honoured_by_the_draft(family):
 # ----- padded vocabularies ------------------------------------------------------------------------------------
 
 
+def resized_copy(target, noise: float, d_vocab: int, seed: int = 1):
+    """A near copy with its own config (noisy_copy shares the target's) and d_vocab embedding rows."""
+    draft = noisy_copy(target, noise, seed=seed)
+    draft.config = copy.deepcopy(target.config)
+    draft.resize_token_embeddings(d_vocab)
+    assert draft.config.vocab_size == d_vocab and target.config.vocab_size != d_vocab
+    return draft
+
+
 class Tokenizer:
     """Stands in for the shared tokenizer: SSD only reads its length."""
 
@@ -239,14 +249,17 @@ class Tokenizer:
 
 @pytest.mark.parametrize(("t_vocab", "d_vocab"), [(100, 96), (96, 100)], ids=["target_padded", "draft_padded"])
 def test_padded_vocabulary_with_tokenizer(t_vocab, d_vocab):
-    """Embeddings that differ only by padding rows beyond the tokenizer: accepted, and still exact (the random
-    target here does emit ids of its padding rows, which the smaller draft reads as id 0)."""
+    """Embeddings that differ only by padding rows beyond the tokenizer: accepted, and still exact. The prompt holds
+    ids of the target's padding rows, which a smaller draft lacks and reads as id 0 (the sampling case below
+    has the target sample such an id)."""
     target = hf_ssd.enable(build("llama", vocab_size=t_vocab))
-    draft = noisy_copy(target, 0.003)
-    draft.resize_token_embeddings(d_vocab)
-    draft.config.vocab_size = d_vocab
-    stats = run(target, draft, tokenizer=Tokenizer(min(t_vocab, d_vocab)))
+    draft = resized_copy(target, 0.003, d_vocab)
+    tok = Tokenizer(min(t_vocab, d_vocab))
+    prompt = [t_vocab - 1, t_vocab - 3] + PROMPT
+    stats = run(target, draft, prompt=prompt, tokenizer=tok)
     assert stats.cache_hits > 0
+    # Also as transformers' own check for two vocabulary sizes wants it: both tokenizers, here the same one.
+    assert run(target, draft, prompt=prompt, tokenizer=tok, assistant_tokenizer=tok).cache_hits > 0
 
 
 # ----- sampling -----------------------------------------------------------------------------------------------
@@ -272,22 +285,28 @@ def exact_joint(target) -> dict:
     return joint
 
 
-@pytest.mark.parametrize(("family", "layout"), [("gemma2", "inline"), ("bloom", "inline"), ("mistral+sw", "thread")])
-def test_sampling_matches_target_distribution(family, layout):
-    """A window of 3 tokens is passed inside the 6-token sequences; Bloom drafts with ALiBi."""
+SAMPLING = [("gemma2", "inline", None), ("bloom", "inline", None), ("mistral+sw", "thread", None), ("llama", "inline", 5)]
+
+
+@pytest.mark.parametrize(("family", "layout", "d_vocab"), SAMPLING, ids=["gemma2", "bloom", "mistral_sw-thread",
+                                                                        "llama_padded_vocab"])
+def test_sampling_matches_target_distribution(family, layout, d_vocab):
+    """A window of 3 tokens is passed inside the 6-token sequences; Bloom drafts with ALiBi; a draft lacking the
+    target's last id (which the target does sample here) keeps the target's distribution."""
     overrides = {"vocab_size": SV, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
     if window(build(family)) is not None:
         overrides["sliding_window"] = 3
     target = hf_ssd.enable(build(family, seed=3, **overrides))
     target.generation_config.eos_token_id = None
-    draft = noisy_copy(target, 0.3, seed=5)
+    draft = noisy_copy(target, 0.3, seed=5) if d_vocab is None else resized_copy(target, 0.3, d_vocab, seed=5)
+    extra = {} if d_vocab is None else {"tokenizer": Tokenizer(d_vocab)}
     joint = exact_joint(target)
     config = SSDConfig(gamma=2, layout=layout, hit_rate_warning=0)
     torch.manual_seed(1234)
     samples, hits = [], 0
     for _ in range(SN):
         out = target.generate(torch.tensor([SPROMPT]), max_new_tokens=SL, assistant_model=draft, ssd_config=config,
-                              **GEN)
+                              **GEN, **extra)
         samples.append(tuple(out[0, len(SPROMPT):].tolist()))
         hits += hf_ssd.last_stats(target).cache_hits
     assert hits > 0
