@@ -88,11 +88,11 @@ FAMILIES: dict[str, tuple[type, dict]] = {
 THREAD = {"mistral+sw", "gemma3_text", "bloom", "falcon+alibi", "gpt_oss"}  # also run with the thread layout
 
 
-def build(family: str, seed: int = 0, dtype=torch.float64, **overrides):
+def build(family: str, seed: int = 0, dtype=torch.float64, attn: str = "eager", **overrides):
     cls, kwargs = FAMILIES[family]
     torch.manual_seed(seed)
     config = cls(**{**COMMON, **kwargs, **overrides})
-    config._attn_implementation = "eager"
+    config._attn_implementation = attn
     config._experts_implementation = "eager"  # grouped_mm MoE kernels take no float64
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     model.generation_config.pad_token_id = 0
@@ -142,6 +142,14 @@ def test_greedy_identical_to_target(family, layout):
     # model computes alone (window, ALiBi, rotary) shows up as rejections here.
     assert exact.accepted_tokens >= 0.9 * exact.proposed_tokens, (exact.accepted_tokens, exact.proposed_tokens)
     assert exact.cache_hits > 0
+
+
+@pytest.mark.parametrize("family", ["mistral+sw", "gemma3_text", "gpt2", "qwen2+sw"])
+def test_greedy_identical_with_sdpa(family):
+    """The same with SDPA attention, which gets the 2D masks as boolean masks (eager adds them as floats)."""
+    target = hf_ssd.enable(build(family, attn="sdpa"))
+    stats = run(target, noisy_copy(target, 0.0))
+    assert stats.cache_hits > 0 and stats.accepted_tokens >= 0.9 * stats.proposed_tokens
 
 
 def test_wrong_window_is_detected():
