@@ -3,9 +3,9 @@ token-identical to the target alone, long enough for speculation cache hits and,
 past the window; sampling exactness on a few; padding masks, padded vocabularies; refused families with their
 messages.
 
-Models are tiny random configs (float64, eager attention). The draft is a near-copy of the target (`noisy_copy`),
-so acceptance and hits are high; an exact copy must accept (almost) everything, which only holds when the draft's
-windowed masks and positions match what the model computes alone.
+Models are tiny random configs (float64, eager attention; a few SDPA). The draft is a near-copy of the target
+(`noisy_copy`), so acceptance and hits are high; an exact copy must accept (almost) everything, which only holds
+when the draft's windowed masks and positions match what the model computes alone.
 """
 
 from __future__ import annotations
