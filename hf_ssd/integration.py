@@ -181,9 +181,12 @@ def _validate_call(model, draft, args, kwargs) -> None:
             raise SSDUsageError("SSD verifies and drafts with KV caches; remove use_cache=False.")
         # Not the caller's argument: the generation config says so (e.g. MptConfig defaults to use_cache=False),
         # and transformers' assisted decoding would stop with "Assisted decoding requires a cache".
-        where = "the generation_config passed" if kwargs.get("generation_config") is not None else (
-            f"the target's generation_config (from {type(model.config).__name__}, whose use_cache is False)"
-        )
+        if kwargs.get("generation_config") is not None:
+            where = "the generation_config passed"
+        elif getattr(model.config, "use_cache", None) is False:
+            where = f"the target's generation_config (from {type(model.config).__name__}, whose use_cache is False)"
+        else:
+            where = "the target's generation_config (model.generation_config.use_cache)"
         raise SSDUsageError(
             f"SSD verifies and drafts with KV caches, but use_cache=False comes from {where}; pass use_cache=True "
             "to generate (or set model.generation_config.use_cache = True)."
