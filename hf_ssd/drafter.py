@@ -1,9 +1,12 @@
 """The draft side: one draft KV cache (the trunk), sequential drafting, and batched tree pre-drafting.
 
 The trunk cache holds the draft's keys/values for `ids`. Pre-drafting for several outcomes runs all branches in
-one batch: every row starts from a copy of the trunk (context + all g candidates), and a 4D mask hides the
-candidates a branch assumes rejected, so one draft forward per step serves every branch. Adopting a branch
-after a hit gathers its valid columns back into a single-row cache, so the next round starts where it left off.
+one batch: row r holds the trunk's first L0 + k_r columns (context + the candidates branch r accepts),
+right-aligned behind g - k_r masked columns, so a 2D padding mask hides what a branch assumes rejected and one
+draft forward per step serves every branch. Left padding is what every decoder-only model supports: the model
+builds its own causal, sliding-window or ALiBi attention from the 2D mask and the position ids, exactly as for a
+padded batch, so no 4D mask is needed (ALiBi models take none). Adopting a branch after a hit slices its valid
+columns back into a single-row cache, so the next round starts where it left off.
 """
 
 from __future__ import annotations
@@ -14,15 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from .kvcache import SequenceView, UnsupportedDraftError, holds_tensors, new_cache
 from .outcomes import Outcome
 
 TopProbs = tuple[torch.Tensor, torch.Tensor]  # (probabilities, token ids), most likely first
 
 
-class UnsupportedDraftError(ValueError):
-    """The draft model cannot be driven by the SSD drafter (e.g. its cache cannot be cropped or batched)."""
+__all__ = ["BranchState", "DraftResult", "Drafter", "TreeBatch", "UnsupportedDraftError"]
 
 
 @dataclass
@@ -40,6 +42,8 @@ class TreeBatch:
     trunk_len: int  # L0 + g: columns copied from the trunk
     trunk_ids: list[int]
     trunk_top: dict[int, TopProbs]
+    offsets: list[int]  # row r's masked left columns: g - k_r
+    mask: torch.Tensor  # [rows, columns so far] long, 1 = attended
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Drafter:
         saguaro_c: float | None = None,
         generator: torch.Generator | None = None,
         out_vocab: int | None = None,
+        prompt_mask: torch.Tensor | None = None,
     ):
         self.model = model
         # Proposals must live in the target's vocabulary: a draft with a larger (padded) embedding never
@@ -74,35 +79,37 @@ class Drafter:
         self.generator = generator
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._pos_kw = "position_ids" in params  # ALiBi models (Bloom, MPT) take none: positions come from the mask
+        self.view = SequenceView(prompt_mask, self.device)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        # The target may emit ids of its padded embedding rows the draft lacks (a padded-vocabulary pair): the
+        # draft reads them as id 0. That only costs acceptance; the output is the target's.
+        self.in_vocab = getattr(emb, "num_embeddings", None)
         self.cache = self._new_cache()
         self.ids: list[int] = []
         self.top: dict[int, TopProbs] = {}  # position p -> draft's top probabilities for token p + 1
         self.forwards = 0
         self._last: tuple[int, torch.Tensor] | None = None  # (context length, probs) of the last sync
-        self._checked = False
         self._keep_kw = "logits_to_keep" in params
 
     # ----- low level -------------------------------------------------------------------------------------
     def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        return new_cache()
 
-    def _check_cache(self, cache: DynamicCache) -> None:
-        layers = getattr(cache, "layers", None)
-        if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
-            raise UnsupportedDraftError(
-                "SSD needs a draft model whose KV cache is a plain full-attention DynamicCache (no sliding-window, "
-                f"linear-attention or quantized layers); {type(self.model).__name__} does not use one. "
-                "Use a standard decoder-only draft (e.g. Llama/Qwen2/Mistral without sliding window)."
-            )
+    def _ids(self, ids) -> torch.Tensor:
+        t = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        if self.in_vocab is not None:
+            t = t.masked_fill(t >= self.in_vocab, 0)
+        return t
 
     @torch.no_grad()
     def _forward(self, input_ids, position_ids, cache, attention_mask=None, keep_last: int = 1) -> torch.Tensor:
         kwargs = {self._cache_kw: cache}
         if self._keep_kw:
             kwargs["logits_to_keep"] = keep_last  # a long prompt's full logits would be V floats per token
-        out = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True, **kwargs
-        )
+        if self._pos_kw:
+            kwargs["position_ids"] = position_ids
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         self.forwards += 1
         return out.logits[:, -keep_last:, : self.out_vocab].float()
 
@@ -166,13 +173,9 @@ class Drafter:
         self._crop(keep)
         new = context[keep:]
         first = max(keep, last if record_from is None else min(record_from, last))
-        positions = torch.arange(keep, len(context), device=self.device).unsqueeze(0)
-        logits = self._forward(
-            torch.tensor([new], device=self.device), positions, self.cache, keep_last=len(context) - first
-        )[0]
-        if not self._checked:
-            self._check_cache(self.cache)
-            self._checked = True
+        positions = self.view.positions(keep, len(context)).unsqueeze(0)
+        mask = self.view.valid(len(context)).unsqueeze(0) if self.view.padded else None
+        logits = self._forward(self._ids([new]), positions, self.cache, mask, keep_last=len(context) - first)[0]
         self.ids.extend(new)
         probs = None
         for i, pos in enumerate(range(first, len(context))):
@@ -210,12 +213,20 @@ class Drafter:
 
     # ----- batched pre-drafting ---------------------------------------------------------------------------
     def start_tree(self, context_len: int, outcomes: list[Outcome]) -> TreeBatch:
-        batch = len(outcomes)
+        T = len(self.ids)
+        g = T - context_len
+        offsets = [g - o.accepted for o in outcomes]
+        # Row r: g - k_r filler columns (a copy of column 0, masked), then trunk columns [0, L0 + k_r).
+        shifted = torch.arange(T, device=self.device) - torch.tensor(offsets, device=self.device).unsqueeze(1)
+        index = shifted.clamp(min=0)
+        mask = self.view.valid(T)[index] * (shifted >= 0)
         cache = self._new_cache()
         for i, layer in enumerate(self.cache.layers):
-            k, v = layer.keys, layer.values
-            cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), i)
-        return TreeBatch(cache, context_len, len(self.ids), list(self.ids), dict(self.top))
+            if not holds_tensors(layer):
+                continue
+            k, v = layer.keys[0], layer.values[0]  # [heads, T, dim]
+            cache.update(k[:, index].transpose(0, 1), v[:, index].transpose(0, 1), i)
+        return TreeBatch(cache, context_len, T, list(self.ids), dict(self.top), offsets, mask)
 
     def tree_steps(
         self,
@@ -232,24 +243,19 @@ class Drafter:
         distribution after the branch, which the next round's outcome prediction needs.
         """
         b = len(outcomes)
-        L0, T = tree.context_len, tree.trunk_len
-        starts = torch.tensor([L0 + o.accepted for o in outcomes], device=self.device)
-        # Columns [L0 + k, T) hold candidates that branch k assumes rejected: mask them out for that row.
-        cols = torch.arange(T, device=self.device)
-        allowed = cols.unsqueeze(0) < starts.unsqueeze(1)
-        dtype = self.model.dtype
-        neg = torch.finfo(dtype).min
+        L0 = tree.context_len
+        # Position id of each row's next token (its bonus first): sequence index L0 + k_r less the masked columns.
+        starts = torch.tensor([L0 + o.accepted for o in outcomes], device=self.device) - self.view.shift()
         contexts = [tree.trunk_ids[: L0 + o.accepted] + [o.bonus] for o in outcomes]
         states = [BranchState(tree, r, o) for r, o in enumerate(outcomes)]
         results = [DraftResult([], None) for _ in outcomes]
         rows: list[list[torch.Tensor]] = [[] for _ in outcomes]
-        feed = torch.tensor([[o.bonus] for o in outcomes], device=self.device)
+        feed = self._ids([[o.bonus] for o in outcomes])
         for j in range(gamma + 1):
             if should_stop():
                 break
-            allowed = torch.cat([allowed, torch.ones(b, 1, dtype=torch.bool, device=self.device)], dim=1)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, neg)
-            logits = self._forward(feed, (starts + j).unsqueeze(1), tree.cache, mask[:, None, None, :])
+            tree.mask = torch.cat([tree.mask, tree.mask.new_ones(b, 1)], dim=1)
+            logits = self._forward(feed, (starts + j).unsqueeze(1), tree.cache, tree.mask)
             nxt = []
             for r in range(b):
                 probs = self._probs_for(contexts[r], logits[r, -1])
@@ -263,7 +269,7 @@ class Drafter:
                     rows[r].append(logq)
                 contexts[r].append(token)
                 nxt.append(token)
-            feed = torch.tensor([[t] for t in nxt], device=self.device)
+            feed = self._ids([[t] for t in nxt])
             if on_step is not None:
                 on_step(j)
         for r in range(b):
@@ -281,11 +287,12 @@ class Drafter:
         keep = tree.context_len + o.accepted
         fed = min(state.fed, len(tokens) + 1)
         cache = self._new_cache()
-        lo, hi = tree.trunk_len, tree.trunk_len + fed
+        # The row's valid columns are contiguous: trunk[:keep] right-aligned, then the fed tokens.
+        lo, hi = tree.offsets[r], tree.trunk_len + fed
         for i, layer in enumerate(tree.cache.layers):
-            k = torch.cat([layer.keys[r : r + 1, :, :keep], layer.keys[r : r + 1, :, lo:hi]], dim=2)
-            v = torch.cat([layer.values[r : r + 1, :, :keep], layer.values[r : r + 1, :, lo:hi]], dim=2)
-            cache.update(k, v, i)
+            if not holds_tensors(layer):
+                continue
+            cache.update(layer.keys[r : r + 1, :, lo:hi].clone(), layer.values[r : r + 1, :, lo:hi].clone(), i)
         self.cache = cache
         self.ids = tree.trunk_ids[:keep] + [o.bonus] + tokens[: fed - 1]
         self.top = {p: t for p, t in tree.trunk_top.items() if p < keep}

@@ -39,6 +39,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         out_vocab: int,
         cpu_threads: int | None = None,
         hooks: dict | None = None,
+        prompt_mask: torch.Tensor | None = None,
     ):
         self.config = config
         self.max_length = generation_config.max_length
@@ -56,7 +57,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
         top_k = max(self._max_fanout(), 1) + 1
         self.drafter = make_drafter(draft_model, config, logits_processor, do_sample, top_k, gen, out_vocab,
-                                    self.max_length, min(self.max_outcomes, config.cache_size))
+                                    self.max_length, min(self.max_outcomes, config.cache_size), prompt_mask)
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         self.acceptance = AcceptanceTracker(config.initial_acceptance)
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)

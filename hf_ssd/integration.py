@@ -24,7 +24,9 @@ from transformers import GenerationMixin
 
 from .config import SSDConfig
 from .generator import SSDCandidateGenerator
+from .kvcache import check_draft, stateful_reason
 from .layouts import resolve_layout, thread_settings
+from .probe import probe_draft
 from .stats import SSDStats
 
 logger = logging.getLogger("hf_ssd")
@@ -73,6 +75,7 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
     gen = SSDCandidateGenerator(
         assistant_model, call["config"], generation_config, logits_processor, call["layout"],
         out_vocab=self.config.get_text_config().vocab_size, cpu_threads=call["cpu_threads"], hooks=call["hooks"],
+        prompt_mask=model_kwargs.get("attention_mask"),  # the caller's padding, which the draft must honour too
     )
     call["generator"] = gen
     return gen
@@ -123,6 +126,7 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     hooks = kwargs.pop("_ssd_hooks", None)
     _validate_call(model, draft, args, kwargs)
     layout = resolve_layout(config.layout, model, draft)
+    probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
     call = {"model": model, "config": config, "layout": layout, "hooks": hooks, "generator": None,
             "cpu_threads": None}
     if getattr(_active, "call", None) is not None:
@@ -180,7 +184,8 @@ def _validate_call(model, draft, args, kwargs) -> None:
             "ssd_config needs a draft model: call generate(..., assistant_model=draft, ssd_config=...). "
             "SSD pre-drafts with the assistant model while the target verifies."
         )
-    if kwargs.get("assistant_tokenizer") is not None:
+    atok = kwargs.get("assistant_tokenizer")
+    if atok is not None and not _same_tokenizer(atok, kwargs.get("tokenizer"), model, draft):
         raise SSDUsageError(
             "SSD needs the draft and the target to share one tokenizer; remove assistant_tokenizer (universal "
             "assisted generation across tokenizers is not supported with ssd_config)."
@@ -195,7 +200,20 @@ def _validate_call(model, draft, args, kwargs) -> None:
         "do_sample", "assistant_early_exit", "assistant_ensemble_weight", "use_cache",
     )}
     if merged["use_cache"] is False:
-        raise SSDUsageError("SSD verifies and drafts with KV caches; remove use_cache=False.")
+        if kwargs.get("use_cache") is False:
+            raise SSDUsageError("SSD verifies and drafts with KV caches; remove use_cache=False.")
+        # Not the caller's argument: the generation config says so (e.g. MptConfig defaults to use_cache=False),
+        # and transformers' assisted decoding would stop with "Assisted decoding requires a cache".
+        if kwargs.get("generation_config") is not None:
+            where = "the generation_config passed"
+        elif getattr(model.config, "use_cache", None) is False:
+            where = f"the target's generation_config (from {type(model.config).__name__}, whose use_cache is False)"
+        else:
+            where = "the target's generation_config (model.generation_config.use_cache)"
+        raise SSDUsageError(
+            f"SSD verifies and drafts with KV caches, but use_cache=False comes from {where}; pass use_cache=True "
+            "to generate (or set model.generation_config.use_cache = True)."
+        )
     if (merged["num_beams"] or 1) > 1:
         raise SSDUsageError("SSD supports greedy and sampling only; beam search (num_beams > 1) is not supported.")
     if (merged["num_return_sequences"] or 1) > 1:
@@ -219,19 +237,61 @@ def _validate_call(model, draft, args, kwargs) -> None:
         )
     if model.config.is_encoder_decoder:
         raise SSDUsageError("SSD supports decoder-only models; encoder-decoder models are not supported.")
-    t_vocab = model.config.get_text_config().vocab_size
-    d_vocab = draft.config.get_text_config().vocab_size
-    if t_vocab != d_vocab:
-        raise SSDUsageError(
-            f"Draft and target vocabularies differ (draft {d_vocab} vs target {t_vocab} tokens): SSD needs a "
-            "draft that shares the target's tokenizer. Pick a draft of the same model family."
-        )
+    why = stateful_reason(model)
+    if why is not None:
+        raise SSDUsageError(f"SSD cannot use this target: {why}. Use a transformer (attention) target.")
+    check_draft(draft)
+    if _check_vocab(model, draft, kwargs.get("tokenizer")):
+        # transformers' generate only lets vocabularies of two sizes through with both tokenizers given (it
+        # then expects universal assisted decoding, which SSD's generator replaces): the draft's is the same one.
+        kwargs.setdefault("assistant_tokenizer", kwargs["tokenizer"])
     t_eos, d_eos = _eos(model), _eos(draft)
     if t_eos and d_eos and t_eos.isdisjoint(d_eos):
         raise SSDUsageError(
             f"Draft and target disagree on the end-of-sequence token (draft {sorted(d_eos)}, target "
             f"{sorted(t_eos)}): they do not share a tokenizer. Pick a draft of the same model family."
         )
+
+
+def _same_tokenizer(a, b, model, draft) -> bool:
+    """assistant_tokenizer is only served when it is the target's tokenizer and the sizes differ by padding."""
+    if b is None or model.config.get_text_config().vocab_size == draft.config.get_text_config().vocab_size:
+        return False  # equal sizes: transformers refuses assistant_tokenizer too; say it first
+    if a is b:
+        return True
+    try:
+        return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+    except (AttributeError, TypeError):
+        return False
+
+
+def _check_vocab(model, draft, tokenizer) -> bool:
+    """Equal vocabulary sizes (False), or sizes that differ only by embedding padding beyond the caller's
+    tokenizer (True); anything else is refused."""
+    t_vocab = model.config.get_text_config().vocab_size
+    d_vocab = draft.config.get_text_config().vocab_size
+    if t_vocab == d_vocab:
+        return False
+    # Checkpoints often pad the embedding to a multiple of 64/128 (Qwen2.5-7B: 152064 rows, 0.5B: 151936). The
+    # configs alone cannot tell padding from another vocabulary; the shared tokenizer can: every id it produces
+    # is below both sizes, so both models cover the same ids.
+    n_tok = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
+    if n_tok is not None and n_tok <= min(t_vocab, d_vocab):
+        return True
+    if n_tok is None:
+        hint = (
+            "If both use one tokenizer and only the embedding padding differs (e.g. Qwen2.5-7B vs 0.5B), pass it "
+            "as generate(..., tokenizer=tokenizer); otherwise pick a draft of the same model family."
+        )
+    else:
+        hint = (
+            f"The tokenizer passed has {n_tok} tokens, more than the smaller model covers, so this is not just "
+            "padding. Pick a draft of the same model family."
+        )
+    raise SSDUsageError(
+        f"Draft and target vocabularies differ (draft {d_vocab} vs target {t_vocab} tokens): SSD needs a draft "
+        f"that shares the target's tokenizer. {hint}"
+    )
 
 
 def _eos(model) -> set[int]:

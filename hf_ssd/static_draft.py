@@ -534,12 +534,15 @@ class StaticDrafter(Drafter):
 
 
 def make_drafter(model, config, logits_processor, do_sample: bool, top_k: int, generator, out_vocab: int,
-                 max_length: int, rows: int) -> Drafter:
+                 max_length: int, rows: int, prompt_mask: torch.Tensor | None = None) -> Drafter:
     """The drafter `SSDConfig` asks for: static (with CUDA graphs on CUDA) where supported, else dynamic."""
     static, graphs = config.resolved_draft_path(model.device.type == "cuda")
     args = (model, logits_processor, do_sample, top_k, config.saguaro_c, generator, out_vocab)
+    masked = prompt_mask is not None and not bool(prompt_mask.all())
     if static:
-        why = static_support(model)
+        # The static path assumes every context column is attended; a prompt with masked (padding) columns
+        # takes the dynamic path, which honours the caller's attention_mask.
+        why = "the prompt's attention_mask masks some columns" if masked else static_support(model)
         if why is None:
             on_cuda = model.device.type == "cuda"
             return StaticDrafter(*args, max_len=max_len_for(max_length, config.gamma, on_cuda), rows=rows,
@@ -548,4 +551,4 @@ def make_drafter(model, config, logits_processor, do_sample: bool, top_k: int, g
         (logger.warning if explicit else logger.info)(
             "hf_ssd: the static draft path (CUDA graphs) does not support %s: %s; using the dynamic draft path.",
             type(model).__name__, why)
-    return Drafter(*args)
+    return Drafter(*args, prompt_mask)

@@ -16,8 +16,6 @@ from transformers import (
     LlamaModel,
     MambaConfig,
     MambaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
     StoppingCriteria,
     StoppingCriteriaList,
     T5Config,
@@ -44,7 +42,11 @@ MESSAGES = {
     "encoder_decoder": "encoder-decoder models are not supported",
     "reentrant": "not re-entrant on one thread",
     "enable": "hf_ssd.enable() needs a transformers model that can generate",
-    "stateful_draft": "SSD needs a draft model whose KV cache is a plain full-attention DynamicCache",
+    "stateful_draft": "SSD needs a draft model whose KV cache it can crop and batch",
+    "stateful_target": "is a stateful (recurrent / state-space) model",
+    "vocab_hint": "pass it as generate(..., tokenizer=tokenizer)",
+    "vocab_tokenizer": "more than the smaller model covers, so this is not just padding",
+    "config_no_cache": "use_cache=False comes from the target's generation_config",
     "stream_cpu": "layout='stream' needs the draft on a CUDA device",
     "device_shared": "layout='device' needs the draft on a device of its own",
     "draft_split": "SSD needs the draft on one device",
@@ -202,8 +204,23 @@ def test_ssd_config_without_assistant_model(target):
 
 
 def test_mismatched_vocabulary(target):
-    with expect(SSDUsageError, MESSAGES["vocab"]):
+    with expect(SSDUsageError, MESSAGES["vocab"]) as err:
         _gen(target, make_model(3, vocab_size=100))
+    assert MESSAGES["vocab_hint"] in str(err.value)
+
+
+class _Tokenizer:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_mismatched_vocabulary_beyond_the_tokenizer(target):
+    """A tokenizer with more ids than the smaller model has: a real mismatch, not embedding padding."""
+    with expect(SSDUsageError, MESSAGES["vocab_tokenizer"]):
+        _gen(target, make_model(3, vocab_size=100), tokenizer=_Tokenizer(98))
 
 
 def test_mismatched_eos(target):
@@ -249,18 +266,16 @@ def _mamba_draft():
     return MambaForCausalLM(config).double().eval()
 
 
-def _sliding_window_draft():
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, sliding_window=4,
-                           max_position_embeddings=512, eos_token_id=1, bos_token_id=0, pad_token_id=0)
-    return MistralForCausalLM(config).double().eval()
-
-
-@pytest.mark.parametrize("fallback", ["sd", "ar"])  # first draft forward in the main thread / in the speculator
-@pytest.mark.parametrize("build", [_mamba_draft, _sliding_window_draft], ids=["mamba", "sliding_window"])
-def test_draft_without_croppable_full_attention_cache(target, build, fallback):
+@pytest.mark.parametrize("fallback", ["sd", "ar"])  # refused up front whichever path drafts first
+def test_draft_without_croppable_attention_cache(target, fallback):
     with expect(UnsupportedDraftError, MESSAGES["stateful_draft"]):
-        _gen(target, build(), max_new_tokens=8, ssd_config=SSDConfig(fallback=fallback))
+        _gen(target, _mamba_draft(), max_new_tokens=8, ssd_config=SSDConfig(fallback=fallback))
+
+
+def test_stateful_target(draft):
+    target = hf_ssd.enable(_mamba_draft())
+    with expect(SSDUsageError, MESSAGES["stateful_target"]):
+        _gen(target, draft)
 
 
 # ----- layouts ---------------------------------------------------------------------------------------------------
@@ -314,6 +329,16 @@ def test_ssd_config_on_a_model_not_enabled(draft):
 def test_generate_without_cache(target, draft):
     with expect(SSDUsageError, MESSAGES["no_cache"]):
         _gen(target, draft, use_cache=False)
+
+
+def test_generation_config_without_cache(draft):
+    """use_cache=False from the model's own generation config (MptConfig's default) is named as such."""
+    target = hf_ssd.enable(make_model(0))
+    target.generation_config.use_cache = False
+    with expect(SSDUsageError, MESSAGES["config_no_cache"]) as err:
+        _gen(target, draft)
+    assert "remove use_cache=False" not in str(err.value)
+    assert torch.equal(_gen(target, draft, use_cache=True), target.generate(PROMPT, max_new_tokens=4, use_cache=True))
 
 
 # ----- inputs rejected before generation starts ------------------------------------------------------------------

@@ -257,6 +257,19 @@ def test_default_on_cpu_is_dynamic(target, draft):
     assert hf_ssd.last_stats(target).draft_path == "dynamic"
 
 
+def test_masked_prompt_takes_the_dynamic_path_and_stays_exact(target, draft, caplog):
+    ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(1)], dim=1)
+    mask = torch.ones_like(ids)
+    mask[:, :3] = 0  # left padding: only the dynamic drafter honours the caller's attention_mask
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.INFO, logger="hf_ssd"):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                              ssd_config=SSDConfig(static_draft=True, layout="inline", hit_rate_warning=0.0))
+    assert out.tolist() == ref.tolist()
+    assert hf_ssd.last_stats(target).draft_path == "dynamic"
+    assert "attention_mask masks some columns" in caplog.text
+
+
 # ----- drafts the static path cannot drive -------------------------------------------------------------------------
 def sliding_draft():
     from transformers import MistralConfig, MistralForCausalLM
