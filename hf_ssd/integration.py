@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationMixin
 
 from .config import SSDConfig
+from .costs import cost_model_for
 from .generator import SSDCandidateGenerator
 from .layouts import resolve_layout, thread_settings
 from .stats import SSDStats
@@ -66,9 +67,16 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
             self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model, **kwargs,
         )
+    config = call["config"]
+
+    def costs(top_k: int):  # the estimates of this pair, kept across calls
+        return cost_model_for(self, assistant_model, assistant_model.device, call["layout"],
+                              bool(generation_config.do_sample), top_k, config.initial_acceptance)
+
     gen = SSDCandidateGenerator(
-        assistant_model, call["config"], generation_config, logits_processor, call["layout"],
+        assistant_model, config, generation_config, logits_processor, call["layout"],
         out_vocab=self.config.get_text_config().vocab_size, cpu_threads=call["cpu_threads"], hooks=call["hooks"],
+        costs=costs,
     )
     call["generator"] = gen
     return gen
