@@ -188,8 +188,10 @@ class SSDCandidateGenerator(CandidateGenerator):
             self._submit(context, tokens, alpha, nxt)
         self._verify_start = time.perf_counter()
         critical = self._verify_start - now
-        if self.round > 1 and (job_budget is not None or (self._job_budget is not None and self.scheduler.inline)):
-            budget = self._job_budget if self.scheduler.inline else job_budget
+        # Critical-path time a job costs besides drafting: waiting for it and adopting its branch; inline, the
+        # job just run. Charged to the budget of that job.
+        budget = self._job_budget if self.scheduler.inline and self._job_budget is not None else job_budget
+        if self.round > 1 and budget is not None:
             self.costs.add_overhead(budget, max(0.0, critical - draft_seconds))
         self.stats.target_wait_time += critical
         event.update(t_return=self._verify_start, n_candidates=len(tokens))

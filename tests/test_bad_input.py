@@ -109,6 +109,8 @@ CONFIG_CASES = [
     ({"cpu_threads": 2.0}, "SSDConfig.cpu_threads must be an int"),
     ({"record_timeline": 1}, "SSDConfig.record_timeline must be a bool"),
     ({"record_timeline": "yes"}, "SSDConfig.record_timeline must be a bool"),
+    ({"schedule": "adaptive"}, "SSDConfig.schedule must be one of ['auto', 'fixed']"),
+    ({"schedule": None}, "SSDConfig.schedule must be one of"),
 ]
 
 
