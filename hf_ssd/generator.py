@@ -142,9 +142,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             self.costs.add_lookup(job_budget, True, self._job_predicted)
             event["hit"] = True
         else:
-            # A miss runs the configured fallback; a round with no job for it (plain SD, round 1) drafts gamma
+            # An SSD round without a hit (a miss, or round 1) runs the configured fallback; plain SD drafts gamma
             # tokens now, and AR proposes nothing.
-            kind = self.config.fallback if job_budget is not None else ("ar" if option.kind == "ar" else "sd")
+            kind = {"ssd": self.config.fallback, "sd": "sd", "ar": "ar"}[option.kind]
             if job_budget is not None and n > 0:
                 self.stats.cache_misses += 1
                 self.stats.fallbacks[kind] = self.stats.fallbacks.get(kind, 0) + 1

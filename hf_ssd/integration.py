@@ -139,14 +139,24 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
         and stats.lookups >= 4
         and stats.hit_rate < config.hit_rate_warning
     ):
+        if config.schedule == "auto":
+            advice = (f"The scheduler measured this and ran: {stats.schedule_summary()} (rounds by option: "
+                      f"{_option_rounds(stats)}). A draft closer to the target raises the hit rate.")
+        else:
+            advice = ("Try a larger fanout_budget, a smaller gamma, a draft closer to the target, or "
+                      "schedule='auto' (the default), which picks the fan-out and falls back to plain speculative "
+                      "decoding when speculation does not pay.")
         logger.warning(
-            "hf_ssd: speculation cache hit rate %.0f%% is under %.0f%% (%d/%d). Try a larger fanout_budget, a "
-            "smaller gamma, or a draft closer to the target.",
-            100 * stats.hit_rate, 100 * config.hit_rate_warning, stats.cache_hits, stats.lookups,
+            "hf_ssd: speculation cache hit rate %.0f%% is under %.0f%% (%d/%d). %s",
+            100 * stats.hit_rate, 100 * config.hit_rate_warning, stats.cache_hits, stats.lookups, advice,
         )
     if hasattr(out, "sequences"):
         out.ssd_stats = stats
     return out
+
+
+def _option_rounds(stats: SSDStats) -> str:
+    return ", ".join(f"{name} {rounds}" for name, rounds, _ in stats.option_shares())
 
 
 def _close(call: dict, raise_pending: bool) -> None:
