@@ -24,7 +24,8 @@ from .fanout import acceptance_length_probs, geometric_fanout
 
 AUTO_BUDGETS = (1, 2, 4, 8, 16)
 AUTO_GAMMAS = tuple(range(1, 9))
-EXPLORE = 0.08  # share of rounds that try a non-best option class
+EXPLORE = 0.08  # share of rounds that try another option family while estimates are young
+EXPLORE_MIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,15 @@ class Scheduler:
             o = self._queue.pop(0)
             return o, self.predict(o), True
         best, pred = self.best()
-        if len(self.families) > 1 and self.rng.random() < EXPLORE:
-            family = self.rng.choice([f for f in self.families if f != best.family])
+        # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
+        # predicted at under half the best rate: re-measuring those costs more than it can reveal.
+        epsilon = max(EXPLORE_MIN, EXPLORE / math.sqrt(max(1.0, self.costs.rounds_seen / 25)))
+        rates = {name: max((p.rate for p in map(self.predict, fam) if p is not None), default=None)
+                 for name, fam in self.families.items() if name != best.family}
+        floor = 0.5 * pred.rate if pred is not None else 0.0
+        worth = [name for name, r in rates.items() if r is None or r >= floor]
+        if worth and self.rng.random() < epsilon:
+            family = self.rng.choice(worth)
             # Within the family, the gamma the model likes best (or the default's when it cannot say yet).
             cands = self.families[family]
             scored = [(self.predict(o), o) for o in cands]

@@ -17,8 +17,17 @@ import random
 import pytest
 import torch
 from conftest import make_model, noisy_copy
-from test_sampling import ALPHA, GEN, L, N, PROMPT, chi_square_p, exact_joint, marginal
-from test_sampling import pair  # noqa: F401 - the module-scoped sampling pair fixture
+from test_sampling import (
+    ALPHA,
+    GEN,
+    PROMPT,
+    L,
+    N,
+    chi_square_p,
+    exact_joint,
+    marginal,
+    pair,  # noqa: F401 - the module-scoped sampling pair fixture
+)
 
 import hf_ssd
 from hf_ssd import SSDConfig
@@ -96,7 +105,7 @@ def test_explicit_values_are_constraints():
     assert c.is_set("gamma") and SSDConfig(gamma=4).is_set("gamma")
     # A constrained scheduler never runs an option outside the constraint.
     costs = fed_costs(0.8, 1.0, lambda b: 1.6 + 0.1 * b, 0.25, lambda w: 0.25 * w, RANKS)
-    assert best_of(costs, SSDConfig(layout="thread", gamma=3)) .kind == "ssd"
+    assert best_of(costs, SSDConfig(layout="thread", gamma=3)).kind == "ssd"
 
 
 # ----- a simulated device: the same regimes, measured online -----------------------------------------------------
