@@ -54,7 +54,12 @@ class SSDCandidateGenerator(CandidateGenerator):
         do_sample = bool(generation_config.do_sample)
         on_gpu = draft_model.device.type == "cuda"
         fixed_budget, _ = config.resolved_budget(on_gpu)
+        self.hooks = hooks or {}  # test/tooling hooks: stage name -> callable (fault injection, "options" filter)
         self.options = allowed_options(config, layout, fixed_budget)
+        fanout_max = max(config.fanout) if isinstance(config.fanout, list) else 0
+        top_k = max([fanout_max] + [o.budget for o in self.options]) + 1  # before any filter: keys the estimates
+        if "options" in self.hooks:  # `hf-ssd tune` and tests measure chosen options one at a time
+            self.options = list(self.hooks["options"](self.options)) or self.options
         default = Option("ssd", config.gamma, fixed_budget)
         if default not in self.options:
             default = next((o for o in self.options if o.kind == "ssd"), self.options[0])
@@ -66,8 +71,6 @@ class SSDCandidateGenerator(CandidateGenerator):
         if do_sample:
             gen = torch.Generator(device=draft_model.device)
             gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
-        fanout_max = max(config.fanout) if isinstance(config.fanout, list) else 0
-        top_k = max([fanout_max] + [o.budget for o in self.options]) + 1
         self.drafter = Drafter(draft_model, logits_processor, do_sample, top_k, config.saguaro_c, gen, out_vocab)
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         self.acceptance = AcceptanceTracker(config.initial_acceptance)
@@ -76,7 +79,6 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline")
         self.stats = SSDStats(layout=layout, schedule=config.schedule)
-        self.hooks = hooks or {}  # test hooks: stage name -> callable, for fault injection
         self.round = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (context, candidates) being verified
         self._outcome: tuple[int, int] | None = None
@@ -85,7 +87,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.draft_intervals: list[tuple[float, float]] = []
         # Scheduling state: the option deciding the next round, the one whose candidates are being verified,
         # the job running during this verification (its budget, the hit rate predicted for it, its timings).
-        self._next: tuple[Option, object, bool] = (default, None, False)
+        self._next: tuple[Option, object, bool] = self.scheduler.decide()  # round 1's option
         self._current: tuple[Option, object, bool] | None = None
         self._round_start = 0.0
         self._job_budget: int | None = None

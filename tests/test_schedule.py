@@ -269,3 +269,29 @@ def test_hit_rate_warning_says_what_the_scheduler_did(target, random_draft, capl
         target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=random_draft,
                         ssd_config=SSDConfig(hit_rate_warning=0.99, schedule="fixed"))
     assert "schedule='auto'" in caplog.text
+
+
+# ----- hf-ssd tune -------------------------------------------------------------------------------------------------
+
+
+def test_tune_tiny_prints_model_predictions_and_recommendation(tmp_path, capsys):
+    import json
+
+    from hf_ssd.cli import build_parser, main
+
+    path = tmp_path / "tune.json"
+    argv = ["tune", "--tiny", "--num-prompts", "1", "--max-new-tokens", "8", "--gammas", "2,4", "--budgets", "1,4",
+            "--no-progress", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for word in ("cost model", "verify_s", "predicted tok/s", "measured tok/s", "sd(g=2)", "ssd(b=4,g=4)", "ar",
+                 "recommended:", "json:", "greedy outputs identical to the target alone: yes"):
+        assert word in out, word
+    report = json.loads(path.read_text())
+    assert {r["option"] for r in report["options"]} == {"ar", "sd(g=2)", "sd(g=4)", "ssd(b=1,g=4)", "ssd(b=4,g=4)"}
+    assert report["recommended"]["option"] in {r["option"] for r in report["options"]}
+    SSDConfig(**report["recommended"]["ssd_config"])  # a valid config
+    tune = build_parser()._subparsers._group_actions[0].choices["tune"]
+    assert "(default: 32)" in tune.format_help()
+    with pytest.raises(SystemExit, match="gammas from"):
+        main(["tune", "--tiny", "--gammas", "12", "--no-progress"])
