@@ -263,6 +263,11 @@ class SSDCandidateGenerator(CandidateGenerator):
         info: dict = {}
         self._job_info, self._job_budget = info, budget
         self._job_predicted = self.scheduler.hit_rate(budget, g, self.costs.acceptance) if budget > 0 else 0.0
+        # When the outcome is expected: the last, optional step (feeding the gamma-th token) is skipped if it
+        # would not finish by then, since the caller would wait for it (an unfinished step cannot be cut).
+        verify_s = self.costs.verify(g, None if self.scheduler.inline else budget)
+        step_s = self.costs.tree_step.predict(max(budget, 1))
+        deadline = time.perf_counter() + verify_s if verify_s is not None and not self.scheduler.inline else None
 
         def job(should_stop):
             # 1. Outcome prediction: draft distributions at every candidate position and after the last.
@@ -289,7 +294,13 @@ class SSDCandidateGenerator(CandidateGenerator):
                 steps.append((len(outcomes), t - last[0]))
                 last[0] = t
 
-            drafted = self.drafter.tree_steps(tree, outcomes, gamma, next_fanout, should_stop, on_step)
+            def stop():
+                if should_stop():
+                    return True
+                late = deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
+                return len(steps) == gamma and late
+
+            drafted = self.drafter.tree_steps(tree, outcomes, gamma, next_fanout, stop, on_step)
             info["steps"] = steps
             # 3. Cache insert.
             self._hook("insert")
