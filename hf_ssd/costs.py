@@ -76,6 +76,8 @@ class CostModel:
     - `verify_alone(n)`: target time per round (verify n candidates + the loop) with no speculator running.
     - `verify_overlapped[b](n)`: the same while a speculation job of fan-out budget b runs (interference).
     - `draft(n)`: drafting n tokens sequentially on the critical path (plain SD, miss fallbacks).
+    - `verify_alone_with[t]`, `draft_with[t]`: the same two at t torch threads where the scheduler tries fewer
+      threads than the default (a CPU shared with other work can run faster on one thread than on two).
     - `tree_step(w)`: one batched pre-draft step over w branches, as the background job measures it.
     - `record`: the job's outcome-prediction forward; `overhead[b]`: critical-path time a job of budget b
       adds to the next round besides drafting (waiting for its current step, adopting a branch; with
@@ -91,6 +93,8 @@ class CostModel:
         self.verify_alone = LinearFit(_relative(0.02))
         self.verify_overlapped: dict[int, LinearFit] = {}
         self.draft = LinearFit(_proportional)
+        self.verify_alone_with: dict[int, LinearFit] = {}
+        self.draft_with: dict[int, LinearFit] = {}
         # A batched step over more branches costs more on CPU cores, nearly nothing more on a GPU (prior only).
         self.tree_step = LinearFit(_relative(0.02 if on_gpu else 0.25))
         self.record = Ewma()
@@ -122,8 +126,10 @@ class CostModel:
         self.hits[budget] = 0.95 * self.hits.get(budget, 0.0) + float(hit)
         self.expected[budget] = 0.95 * self.expected.get(budget, 0.0) + predicted
 
-    def add_verify(self, n: int, seconds: float, budget: int | None) -> None:
-        if budget is None:
+    def add_verify(self, n: int, seconds: float, budget: int | None, threads: int = 0) -> None:
+        if threads:
+            self.verify_alone_with.setdefault(threads, LinearFit(_relative(0.02))).update(n, seconds)
+        elif budget is None:
             self.verify_alone.update(n, seconds)
         else:
             self.verify_overlapped.setdefault(budget, LinearFit(_relative(0.02))).update(n, seconds)
@@ -152,7 +158,19 @@ class CostModel:
             return None
         return table[min(table, key=lambda b: (abs(math.log2(max(b, 1)) - math.log2(max(budget, 1))), b))]
 
-    def verify(self, n: int, budget: int | None) -> float | None:
+    def add_draft(self, n: int, seconds: float, threads: int = 0) -> None:
+        (self.draft_with.setdefault(threads, LinearFit(_proportional)) if threads else self.draft).update(n, seconds)
+
+    def draft_time(self, n: int, threads: int = 0) -> float | None:
+        if threads:
+            fit = self.draft_with.get(threads)
+            return fit.predict(n) if fit is not None else None
+        return self.draft.predict(n)
+
+    def verify(self, n: int, budget: int | None, threads: int = 0) -> float | None:
+        if threads:
+            fit = self.verify_alone_with.get(threads)
+            return fit.predict(n) if fit is not None else None
         alone = self.verify_alone.predict(n)
         if budget is None:
             if alone is None:  # only overlapped rounds seen: the cheapest of them bounds it from above

@@ -55,7 +55,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         on_gpu = draft_model.device.type == "cuda"
         fixed_budget, _ = config.resolved_budget(on_gpu)
         self.hooks = hooks or {}  # test/tooling hooks: stage name -> callable (fault injection, "options" filter)
-        self.options = allowed_options(config, layout, fixed_budget)
+        # On a CPU shared with other work, one thread can beat all cores: AR and SD may also run with one.
+        self.cpu_threads = cpu_threads
+        fewer = (1,) if layout == "thread" and not config.is_set("cpu_threads") and (cpu_threads or 1) > 1 else ()
+        self.options = allowed_options(config, layout, fixed_budget, fewer)
         fanout_max = max(config.fanout) if isinstance(config.fanout, list) else 0
         top_k = max([fanout_max] + [o.budget for o in self.options]) + 1  # before any filter: keys the estimates
         if "options" in self.hooks:  # `hf-ssd tune` and tests measure chosen options one at a time
@@ -117,6 +120,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         now = time.perf_counter()
         context = input_ids[0].tolist()
         option, prediction, explored = self._next
+        if self.cpu_threads:  # this round's critical-path threads (the draft below and the verify after)
+            want = option.threads or self.cpu_threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         gamma = option.gamma if option.kind != "ar" else 0
         n = min(gamma, self.max_length - len(context) - 1)
         branch = None
@@ -163,7 +170,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.draft_intervals.append((d0, d1))
                 self.stats.fallback_draft_time += draft_seconds
                 if self.round > 0:  # round 1 includes the draft's prompt prefill
-                    self.costs.draft.update(len(result.tokens), draft_seconds)
+                    self.costs.add_draft(len(result.tokens), draft_seconds, option.threads)
             tokens, logits = result.tokens, result.logits
             event["hit"] = False
         tokens, logits = self._cut_at_eos(tokens, logits)
@@ -215,7 +222,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         if self.round > 1:  # round 1's verification is the target's prompt prefill
             overlapped = self._job_budget is not None and not self.scheduler.inline
             self.costs.add_verify(len(self._pending[1]), now - self._verify_start,
-                                  self._job_budget if overlapped else None)
+                                  self._job_budget if overlapped else None, option.threads)
         self.costs.rounds_seen += 1
 
     def _measure_outcome(self) -> None:

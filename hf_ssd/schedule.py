@@ -33,17 +33,21 @@ class Option:
     kind: str  # "ssd", "sd" or "ar"
     gamma: int = 0
     budget: int = 0
+    threads: int = 0  # torch threads on the critical path (CPU, SD and AR only); 0: the call's default
 
     @property
     def name(self) -> str:
+        t = f"t={self.threads}" if self.threads else ""
         if self.kind == "ssd":
             return f"ssd(b={self.budget},g={self.gamma})"
-        return f"sd(g={self.gamma})" if self.kind == "sd" else "ar"
+        if self.kind == "sd":
+            return f"sd(g={self.gamma}{',' + t if t else ''})"
+        return f"ar({t})" if t else "ar"
 
     @property
     def family(self) -> str:
-        """Exploration picks among families (kinds, and budgets of SSD); gamma is chosen by the model."""
-        return f"ssd{self.budget}" if self.kind == "ssd" else self.kind
+        """Exploration picks among families (kinds, budgets of SSD, thread counts); the model picks gamma."""
+        return f"ssd{self.budget}" if self.kind == "ssd" else f"{self.kind}{self.threads or ''}"
 
 
 @dataclass
@@ -63,14 +67,15 @@ def expected_tokens(n: int, alpha: float) -> float:
     return (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
 
 
-def allowed_options(config, layout: str, fixed_budget: int) -> list[Option]:
+def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple[int, ...] = ()) -> list[Option]:
     """The options the scheduler may pick; explicit settings are constraints.
 
     - schedule="fixed": only SSD with the configured gamma and budget (today's behaviour).
     - gamma set: that gamma only.
     - a fan-out set (fanout list or fanout_budget) or a layout set: the user asked for the speculator, so only
       SSD options (at that fan-out); the scheduler still tunes gamma where it is not set.
-    - otherwise: AR, SD and SSD at budgets 1..16 (within the cache size).
+    - otherwise: AR, SD and SSD at budgets 1..16 (within the cache size); `fewer_threads` adds AR and SD at
+      those thread counts (CPU thread layout with `cpu_threads` unset).
     """
     gammas = (config.gamma,) if config.is_set("gamma") or config.is_set("fanout") else AUTO_GAMMAS
     if config.schedule == "fixed":
@@ -81,7 +86,9 @@ def allowed_options(config, layout: str, fixed_budget: int) -> list[Option]:
     ssd = [Option("ssd", g, b) for b in budgets for g in gammas]
     if config.is_set("layout"):
         return ssd
-    return [Option("ar")] + [Option("sd", g) for g in gammas] + ssd
+    plain = [Option("ar", threads=t) for t in (0, *fewer_threads)]
+    plain += [Option("sd", g, threads=t) for t in (0, *fewer_threads) for g in gammas]
+    return plain + ssd
 
 
 class Scheduler:
@@ -129,18 +136,18 @@ class Scheduler:
         if kind in ("ar", "ngram"):
             return 1.0, 0.0
         n = gamma if kind == "sd" else min(gamma, self.config.fallback_gamma or max(1, gamma // 2))
-        t = self.costs.draft.predict(n)
+        t = self.costs.draft_time(n)
         return (expected_tokens(n, alpha), t) if t is not None else None
 
     def predict(self, option: Option, alpha: float | None = None) -> Prediction | None:
         c = self.costs
         a = c.acceptance if alpha is None else alpha
         if option.kind == "ar":
-            t = c.verify(0, None)
+            t = c.verify(0, None, option.threads)
             return None if t is None else Prediction(1.0, t)
         g = option.gamma
         if option.kind == "sd":
-            tv, td = c.verify(g, None), c.draft.predict(g)
+            tv, td = c.verify(g, None, option.threads), c.draft_time(g, option.threads)
             return None if tv is None or td is None else Prediction(expected_tokens(g, a), tv + td)
         b = option.budget
         tv = c.verify(g, None if self.inline else b)

@@ -295,3 +295,41 @@ def test_tune_tiny_prints_model_predictions_and_recommendation(tmp_path, capsys)
     assert "(default: 32)" in tune.format_help()
     with pytest.raises(SystemExit, match="gammas from"):
         main(["tune", "--tiny", "--gammas", "12", "--no-progress"])
+
+
+# ----- fewer threads on a shared CPU -----------------------------------------------------------------------------
+
+
+def test_model_picks_one_thread_when_it_measures_faster():
+    costs = fed_costs(0.8, 1.0, lambda b: 1.6 + 0.1 * b, 0.25, lambda w: 0.25 * w, RANKS)
+    for _ in range(30):  # a busy machine: one thread runs verify and draft in 60% of the time
+        for n in range(0, 9):
+            costs.add_verify(n, 0.6 * (1 + 0.01 * n), None, threads=1)
+            if n:
+                costs.add_draft(n, 0.6 * 0.25 * n, threads=1)
+    config = SSDConfig()
+    options = allowed_options(config, "thread", 1, fewer_threads=(1,))
+    assert Option("sd", 4, threads=1) in options and Option("ar", threads=1) in options
+    best = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False).best()[0]
+    assert best.kind == "sd" and best.threads == 1, best
+    assert not any(o.threads for o in allowed_options(SSDConfig(layout="thread"), "thread", 1, (1,)))
+
+
+def test_thread_switching_keeps_greedy_identity_and_restores_threads(target, draft, monkeypatch):
+    rng = random.Random(2)
+    force(monkeypatch, lambda options: rng.choice(options))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        used = set()
+        for seed in range(8):
+            prompt = torch.randint(2, 96, (1, 4), generator=torch.Generator().manual_seed(200 + seed))
+            ref = target.generate(prompt, max_new_tokens=20, do_sample=False)
+            out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft,
+                                  ssd_config=SSDConfig(gamma=3, **QUIET))
+            assert torch.equal(out, ref)
+            assert torch.get_num_threads() == 2  # the call's per-round settings do not leak
+            used |= set(hf_ssd.last_stats(target).options)
+        assert any("t=1" in name for name in used), used
+    finally:
+        torch.set_num_threads(before)
