@@ -165,8 +165,8 @@ def real_bench(args):
             probe = {}
             for n in (1, 2):
                 with threads(n):
-                    run(m, target, draft, warm, 16, sample)
-                    _, s, _ = run(m, target, draft, warm, args.max_new_tokens, sample)
+                    run(m, target, draft, warm, 8, sample)
+                    _, s, _ = run(m, target, draft, warm, args.probe_tokens, sample)
                 probe[n] = s
             best_threads[m] = min(probe, key=probe.get)
             print(f"[{mode}] {m}: probe seconds by threads {probe} -> {best_threads[m]} threads")
@@ -196,6 +196,7 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--datasets", type=lambda s: s.split(","), default=["humaneval", "gsm"])
     p.add_argument("--modes", choices=("greedy", "sample", "both"), default="both")
+    p.add_argument("--probe-tokens", type=int, default=32, help="new tokens of the thread-count probe")
     p.add_argument("--sim-verify-ms", type=float, default=40.0, help="simulated verify time")
     p.add_argument("--sim-noise", type=float, default=0.003, help="tiny draft weight noise (agreement)")
     args = p.parse_args()
