@@ -109,6 +109,10 @@ class CostModel:
         self.accepted = initial_acceptance * 4.0
         self.tried = 4.0
         self.rounds_seen = 0
+        # Per option: decayed sums of (rounds, measured tokens, predicted tokens, measured s, predicted s)
+        # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
+        # independent per position, costs that are not linear).
+        self.outcomes: dict[object, list[float]] = {}
         self.lock = threading.Lock()  # one generate call at a time updates a model
 
     # ----- updates ------------------------------------------------------------------------------------------
@@ -133,6 +137,22 @@ class CostModel:
             self.verify_alone.update(n, seconds)
         else:
             self.verify_overlapped.setdefault(budget, LinearFit(_relative(0.02))).update(n, seconds)
+
+    def add_round_outcome(self, option, tokens: int, seconds: float, predicted) -> None:
+        sums = self.outcomes.setdefault(option, [0.0] * 5)
+        for i, v in enumerate((1.0, tokens, predicted.tokens, seconds, predicted.seconds)):
+            sums[i] = 0.9 * sums[i] + v
+
+    def correction(self, option, prior_rounds: float = 3.0) -> tuple[float, float]:
+        """(measured / predicted tokens, measured / predicted seconds) over this option's rounds.
+
+        Shrunk towards 1 by `prior_rounds` rounds that went as predicted, so one odd round moves little."""
+        sums = self.outcomes.get(option)
+        if sums is None or sums[2] <= 0 or sums[4] <= 0:
+            return 1.0, 1.0
+        weight, tokens, pred_tokens, seconds, pred_seconds = sums
+        t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
+        return (tokens + t_prior) / (pred_tokens + t_prior), (seconds + s_prior) / (pred_seconds + s_prior)
 
     def add_overhead(self, budget: int, seconds: float) -> None:
         self.overhead.setdefault(budget, Ewma(decay=0.85)).update(seconds)

@@ -219,6 +219,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         """The round that just ended: its option's time share, and the target's time for its candidates."""
         option, prediction, explored = self._current
         self.stats.add_round(option.name, now - self._round_start, prediction, explored)
+        if self.round > 1 and self._outcome is not None:  # how the round went against the model's own view
+            model = self.scheduler.model(option)
+            if model is not None:
+                self.costs.add_round_outcome(option, self._outcome[0] + 1, now - self._round_start, model)
         if self.round > 1:  # round 1's verification is the target's prompt prefill
             overlapped = self._job_budget is not None and not self.scheduler.inline
             self.costs.add_verify(len(self._pending[1]), now - self._verify_start,

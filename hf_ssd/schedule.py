@@ -140,6 +140,14 @@ class Scheduler:
         return (expected_tokens(n, alpha), t) if t is not None else None
 
     def predict(self, option: Option, alpha: float | None = None) -> Prediction | None:
+        """The model's E / T for this option, corrected by how its own past rounds compared with the model."""
+        pred = self.model(option, alpha)
+        if pred is None:
+            return None
+        tokens, seconds = self.costs.correction(option)
+        return Prediction(pred.tokens * tokens, pred.seconds * seconds)
+
+    def model(self, option: Option, alpha: float | None = None) -> Prediction | None:
         c = self.costs
         a = c.acceptance if alpha is None else alpha
         if option.kind == "ar":

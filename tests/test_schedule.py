@@ -333,3 +333,18 @@ def test_thread_switching_keeps_greedy_identity_and_restores_threads(target, dra
         assert any("t=1" in name for name in used), used
     finally:
         torch.set_num_threads(before)
+
+
+def test_measured_rounds_correct_a_wrong_model():
+    """An option whose rounds keep yielding fewer tokens than modelled stops being picked."""
+    costs = fed_costs(0.8, 1.0, lambda b: 1.0, 0.25, lambda w: 0.25, RANKS)
+    config = SSDConfig()
+    options = allowed_options(config, "thread", 1)
+    scheduler = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False)
+    first = scheduler.best()[0]
+    model = scheduler.model(first)
+    for _ in range(20):
+        costs.add_round_outcome(first, 0.3 * model.tokens, model.seconds, model)
+    assert scheduler.predict(first).tokens == pytest.approx(model.tokens * costs.correction(first)[0])
+    assert costs.correction(first)[0] < 0.5
+    assert scheduler.best()[0] != first
