@@ -6,7 +6,8 @@
     print(hf_ssd.last_stats(target).summary())
 
 The modules directly in `hf_ssd/` are the engine (config, integration, generator, speculator, drafter, kvcache,
-outcomes, fanout, cache, fallback, layouts, stats). Tooling lives in subpackages the engine never imports:
+probe, static_draft, graphs, outcomes, predictor, fanout, cache, fallback, layouts, stats, and the measured-cost
+scheduler: schedule, costs). Tooling lives in subpackages the engine never imports:
 `hf_ssd.models` (the default real pair, tiny and synthetic pairs), `hf_ssd.bench` (benchmark, prompts, metric,
 timeline plots) and `hf_ssd.cli` (the `hf-ssd` command).
 """

@@ -10,6 +10,7 @@ from typing import Literal
 FALLBACKS = ("sd", "short", "ar", "ngram")
 EVICTIONS = ("lru", "probability")
 LAYOUTS = ("auto", "thread", "stream", "device", "inline")
+SCHEDULES = ("auto", "fixed")
 
 
 class SSDConfigError(ValueError):
@@ -69,6 +70,10 @@ class SSDConfig:
         cuda_graphs: capture each static draft step once as a CUDA graph and replay it. `None`: on for CUDA
             drafts on the static path. `True` turns the static path on; on CPU it then runs without graphs;
             on CUDA a failed capture raises (with `None` it is logged and the step runs eagerly).
+        schedule: `"auto"` (default) picks, every round, the option with the best predicted tokens/s from costs
+            measured online (overlapped SSD at some fan-out budget and gamma, plain speculative decoding, or the
+            target alone); values set explicitly here are kept as constraints (docs/scheduling.md).
+            `"fixed"` always runs overlapped SSD with the values above (the budget default picked by layout).
     """
 
     gamma: int = 4
@@ -88,9 +93,34 @@ class SSDConfig:
     record_timeline: bool = False
     static_draft: bool | None = None
     cuda_graphs: bool | None = None
+    schedule: Literal["auto", "fixed"] = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def __setattr__(self, name, value) -> None:
+        # After construction, assigning gamma counts as setting it explicitly (a constraint for the scheduler).
+        if name == "gamma" and "_set_fields" in self.__dict__:
+            self.__dict__["_set_fields"] = self.__dict__["_set_fields"] | {"gamma"}
+        object.__setattr__(self, name, value)
+
+    def is_set(self, name: str) -> bool:
+        """Whether the user chose this value (the scheduler keeps it) or left the default (the scheduler may tune).
+
+        `gamma` counts as set when passed to the constructor or assigned; the fan-out when it is a list or
+        `fanout_budget` is not None; the layout when it is not "auto"; `cpu_threads` when not None.
+        """
+        if name == "gamma":
+            return "gamma" in self.__dict__.get("_set_fields", frozenset())
+        if name == "fanout":
+            return isinstance(self.fanout, list)
+        if name == "fanout_budget":
+            return self.fanout_budget is not None
+        if name == "layout":
+            return self.layout != "auto"
+        if name == "cpu_threads":
+            return self.cpu_threads is not None
+        raise ValueError(f"SSDConfig.is_set: unknown or untracked field {name!r}")
 
     def validate(self) -> None:
         _check_int("gamma", self.gamma, 1, 64)
@@ -141,6 +171,7 @@ class SSDConfig:
         if self.cuda_graphs is True and self.static_draft is False:
             raise SSDConfigError("SSDConfig.cuda_graphs=True needs the static draft path: CUDA graphs replay fixed "
                                  "shapes. Remove static_draft=False (or set cuda_graphs=False).")
+        _check_choice("schedule", self.schedule, SCHEDULES)
 
     def resolved_budget(self, on_gpu: bool) -> tuple[int, int]:
         """(fan-out budget, max outcomes) with the `None` defaults filled in for this placement."""
@@ -186,3 +217,17 @@ def _check_field_names(init):
 
 # The generated __init__ would raise a bare TypeError; this one also says which field was meant.
 SSDConfig.__init__ = _check_field_names(SSDConfig.__init__)
+_dataclass_init = SSDConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_tracking_set_fields(self, *args, **kwargs):
+    # Which fields the caller passed: the scheduler treats those as constraints. (A copy made with
+    # dataclasses.replace passes every field, so it counts gamma as set.)
+    passed = {f.name for f in fields(SSDConfig)[: len(args)]} | set(kwargs)
+    self.__dict__["_set_fields"] = frozenset()
+    _dataclass_init(self, *args, **kwargs)
+    self.__dict__["_set_fields"] = frozenset(passed)
+
+
+SSDConfig.__init__ = _init_tracking_set_fields

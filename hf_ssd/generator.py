@@ -9,20 +9,26 @@ over them, accepts (greedy matching or speculative sampling) and reports the out
   submits the next job, which predicts this round's outcomes and pre-drafts a branch for each while the
   target verifies.
 - `update_candidate_strategy` records the outcome (accepted count, bonus token).
+
+Which option runs each round (overlapped SSD at some budget and gamma, plain SD, or AR) is the scheduler's
+choice from costs measured here (schedule.py, costs.py); every option only changes what is proposed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .cache import Branch, SpeculationCache
 from .config import SSDConfig
+from .costs import CostModel
 from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import predict_outcomes
+from .schedule import Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
 from .stats import SSDStats
@@ -40,46 +46,74 @@ class SSDCandidateGenerator(CandidateGenerator):
         cpu_threads: int | None = None,
         hooks: dict | None = None,
         prompt_mask: torch.Tensor | None = None,
+        costs: Callable[[int], CostModel] | None = None,
     ):
         self.config = config
         self.max_length = generation_config.max_length
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = set(eos.flatten().tolist()) if eos is not None else set()
         do_sample = bool(generation_config.do_sample)
-        self.budget, self.max_outcomes = config.resolved_budget(draft_model.device.type == "cuda")
+        on_gpu = draft_model.device.type == "cuda"
+        fixed_budget, _ = config.resolved_budget(on_gpu)
+        self.hooks = hooks or {}  # test/tooling hooks: stage name -> callable (fault injection, "options" filter)
+        # On a CPU shared with other work, one thread can beat all cores: AR and SD may also run with one.
+        self.cpu_threads = cpu_threads
+        fewer = (1,) if layout == "thread" and not config.is_set("cpu_threads") and (cpu_threads or 1) > 1 else ()
+        self.options = allowed_options(config, layout, fixed_budget, fewer)
+        fanout_max = max(config.fanout) if isinstance(config.fanout, list) else 0
+        top_k = max([fanout_max] + [o.budget for o in self.options]) + 1  # before any filter: keys the estimates
+        if "options" in self.hooks:  # `hf-ssd tune` and tests measure chosen options one at a time
+            self.options = list(self.hooks["options"](self.options)) or self.options
+        default = Option("ssd", config.gamma, fixed_budget)
+        if default not in self.options:
+            default = next((o for o in self.options if o.kind == "ssd"), self.options[0])
         # When sampling, the speculator draws from its own generator, seeded from the caller's RNG: draws on two
-        # threads never interleave on one generator. Seeded runs repeat exactly with layout="inline"; with
-        # overlap, how far pre-drafting got when the outcome arrived can differ between runs (the output
+        # threads never interleave on one generator. Seeded runs repeat exactly with layout="inline" and
+        # schedule="fixed"; otherwise timing decides what was pre-drafted and which option ran (the output
         # distribution is exact either way). Greedy calls leave the caller's RNG alone.
         gen = None
         if do_sample:
             gen = torch.Generator(device=draft_model.device)
             gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
-        top_k = max(self._max_fanout(), 1) + 1
+        # The static path's tree holds as many rows as a round can pre-draft: the widest option's outcomes.
+        widest = max([sum(config.fanout) if isinstance(config.fanout, list) else 0] + [o.budget for o in self.options])
+        rows = min(config.max_outcomes or widest, config.cache_size, widest)
         self.drafter = make_drafter(draft_model, config, logits_processor, do_sample, top_k, gen, out_vocab,
-                                    self.max_length, min(self.max_outcomes, config.cache_size), prompt_mask)
+                                    self.max_length, max(1, rows), prompt_mask)
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         self.acceptance = AcceptanceTracker(config.initial_acceptance)
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
-        self.stats = SSDStats(layout=layout, draft_path=getattr(self.drafter, "path", "dynamic"))
-        self.hooks = hooks or {}  # test hooks: stage name -> callable, for fault injection
+        # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
+        self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
+        self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline")
+        self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
         self.round = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (context, candidates) being verified
         self._outcome: tuple[int, int] | None = None
         self._verify_start = 0.0
         self.verify_intervals: list[tuple[float, float]] = []
         self.draft_intervals: list[tuple[float, float]] = []
+        # Scheduling state: the option deciding the next round, the one whose candidates are being verified,
+        # the job running during this verification (its budget, the hit rate predicted for it, its timings).
+        self._next: tuple[Option, object, bool] = self.scheduler.decide()  # round 1's option
+        self._current: tuple[Option, object, bool] | None = None
+        self._round_start = 0.0
+        self._job_budget: int | None = None
+        self._job_predicted = 0.0
+        self._job_info: dict = {}
+        self._sd_tops: list = []
 
     # ----- fan-out ---------------------------------------------------------------------------------------
-    def _max_fanout(self) -> int:
-        if isinstance(self.config.fanout, list):
-            return max(self.config.fanout)
-        return self.budget
-
-    def _fanout(self, g: int, alpha: float) -> list[int]:
+    def _fanout(self, budget: int, g: int, alpha: float) -> list[int]:
         if isinstance(self.config.fanout, list):
             return self.config.fanout[: g + 1] + [0] * max(0, g + 1 - len(self.config.fanout))
-        return geometric_fanout(self.budget, alpha, g)
+        return geometric_fanout(budget, alpha, g)
+
+    def _outcome_limit(self, budget: int) -> int:
+        limit = self.config.max_outcomes
+        if limit is None:
+            limit = sum(self.config.fanout) if isinstance(self.config.fanout, list) else budget
+        return min(limit, self.config.cache_size)
 
     def _hook(self, stage: str) -> None:
         hook = self.hooks.get(stage)
@@ -90,16 +124,27 @@ class SSDCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         now = time.perf_counter()
         context = input_ids[0].tolist()
-        n = min(self.config.gamma, self.max_length - len(context) - 1)
+        option, prediction, explored = self._next
+        if self.cpu_threads:  # this round's critical-path threads (the draft below and the verify after)
+            want = option.threads or self.cpu_threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
+        gamma = option.gamma if option.kind != "ar" else 0
+        n = min(gamma, self.max_length - len(context) - 1)
         branch = None
+        job_budget = self._job_budget
         if self._pending is not None:
+            self._measure_round(now)
             self.speculator.collect()  # waits for the job; re-raises its error here
             if self._outcome is not None:
-                k, bonus = self._outcome
-                branch = self.cache.get(self.round, k, bonus)
+                self._measure_outcome()
+                if job_budget is not None:
+                    k, bonus = self._outcome
+                    branch = self.cache.get(self.round, k, bonus)
         alpha = self.acceptance.rate
-        fanout = self._fanout(self.config.gamma, alpha)
-        event = {"round": self.round + 1, "t_request": now}
+        event = {"round": self.round + 1, "t_request": now, "option": option.name}
+        draft_seconds = 0.0
+        kind = "hit"
 
         if branch is not None and branch.tokens and n > 0:
             tokens = branch.tokens[:n]
@@ -107,36 +152,62 @@ class SSDCandidateGenerator(CandidateGenerator):
             with self.speculator.on_critical_path():
                 self.drafter.adopt(branch.state, tokens)
             self.stats.cache_hits += 1
-            self.stats.partial_hits += int(len(branch.tokens) < self.config.gamma)
+            self.stats.partial_hits += int(len(branch.tokens) < gamma)
+            self.costs.add_lookup(job_budget, True, self._job_predicted)
             event["hit"] = True
         else:
-            kind = self.config.fallback
-            if self._pending is not None and n > 0:  # round 1 and an empty last round are not lookups
+            # An SSD round without a hit (a miss, or round 1) runs the configured fallback; plain SD drafts gamma
+            # tokens now, and AR proposes nothing.
+            kind = {"ssd": self.config.fallback, "sd": "sd", "ar": "ar"}[option.kind]
+            if job_budget is not None and n > 0:
                 self.stats.cache_misses += 1
                 self.stats.fallbacks[kind] = self.stats.fallbacks.get(kind, 0) + 1
+                self.costs.add_lookup(job_budget, False, self._job_predicted)
             d0 = time.perf_counter()
             with self.speculator.on_critical_path():
                 result = run_fallback(
-                    kind, self.drafter, context, n, self.config.effective_fallback_gamma, self.config.ngram_size,
-                    fanout,
+                    kind, self.drafter, context, n, max(1, self.config.fallback_gamma or gamma // 2),
+                    self.config.ngram_size, self._fanout(option.budget, gamma, alpha),
                 )
             d1 = time.perf_counter()
-            self.draft_intervals.append((d0, d1))
-            self.stats.fallback_draft_time += d1 - d0
+            if kind in ("sd", "short") and n > 0:
+                draft_seconds = d1 - d0
+                self.draft_intervals.append((d0, d1))
+                self.stats.fallback_draft_time += draft_seconds
+                if self.round > 0:  # round 1 includes the draft's prompt prefill
+                    self.costs.add_draft(len(result.tokens), draft_seconds, option.threads)
             tokens, logits = result.tokens, result.logits
             event["hit"] = False
         tokens, logits = self._cut_at_eos(tokens, logits)
+        # The draft's top tokens at the candidates' positions, for the bonus ranks when no job records them
+        # (plain SD rounds); valid only where the trunk holds these candidates (drafted or adopted).
+        drafted = event["hit"] or kind in ("sd", "short")
+        tops = self.drafter.top
+        self._sd_tops = [tops.get(len(context) - 1 + j) for j in range(len(tokens))] if drafted else []
 
         self.round += 1
         self.cache.begin_round(self.round)
         self._pending = (context, tokens)
         self._outcome = None
+        self._current = (option, prediction, explored)
+        self._round_start = now
         self.stats.proposed_tokens += len(tokens)
-        # Nothing to pre-draft if this verification surely ends the generation (length budget spent).
-        if len(context) + 1 < self.max_length:
-            self._submit(context, tokens, alpha)
+        # The option of the next round decides whether a job runs during this verification. Nothing to
+        # pre-draft if this verification surely ends the generation (length budget spent).
+        with self.costs.lock:
+            self._next = self.scheduler.decide()
+        nxt = self._next[0]
+        self._job_budget = None
+        if nxt.kind == "ssd" and len(context) + 1 < self.max_length:
+            self._submit(context, tokens, alpha, nxt)
         self._verify_start = time.perf_counter()
-        self.stats.target_wait_time += self._verify_start - now
+        critical = self._verify_start - now
+        # Critical-path time a job costs besides drafting: waiting for it and adopting its branch; inline, the
+        # job just run. Charged to the budget of that job.
+        budget = self._job_budget if self.scheduler.inline and self._job_budget is not None else job_budget
+        if self.round > 1 and budget is not None:
+            self.costs.add_overhead(budget, max(0.0, critical - draft_seconds))
+        self.stats.target_wait_time += critical
         event.update(t_return=self._verify_start, n_candidates=len(tokens))
         if self.config.record_timeline:
             self.stats.timeline.append(event)
@@ -148,6 +219,36 @@ class SSDCandidateGenerator(CandidateGenerator):
                 logits.record_stream(torch.cuda.current_stream(logits.device))  # made on the speculator's stream
         return candidate_ids, logits
 
+    # ----- measurements ----------------------------------------------------------------------------------
+    def _measure_round(self, now: float) -> None:
+        """The round that just ended: its option's time share, and the target's time for its candidates."""
+        option, prediction, explored = self._current
+        self.stats.add_round(option.name, now - self._round_start, prediction, explored)
+        if self.round > 1 and self._outcome is not None:  # how the round went against the model's own view
+            model = self.scheduler.model(option)
+            if model is not None:
+                self.costs.add_round_outcome(option, self._outcome[0] + 1, now - self._round_start, model)
+        if self.round > 1:  # round 1's verification is the target's prompt prefill
+            overlapped = self._job_budget is not None and not self.scheduler.inline
+            self.costs.add_verify(len(self._pending[1]), now - self._verify_start,
+                                  self._job_budget if overlapped else None, option.threads)
+        self.costs.rounds_seen += 1
+
+    def _measure_outcome(self) -> None:
+        """Where the bonus ranked among the draft's top tokens, the job's hit, and the job's own timings."""
+        k, bonus = self._outcome
+        candidates = self._pending[1]
+        info = self._job_info if self._job_budget is not None else {}
+        tops = info.get("tops", self._sd_tops)
+        if k < len(tops) and tops[k] is not None:
+            excluded = candidates[k] if k < len(candidates) else None
+            ids = [t for t in tops[k][1].tolist() if t != excluded]
+            self.costs.add_rank(ids.index(bonus) if bonus in ids else None)
+        if "record_s" in info:
+            self.costs.record.update(info["record_s"])
+        for width, seconds in info.get("steps", []):
+            self.costs.tree_step.update(width, seconds)
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches):
         self.verify_intervals.append((self._verify_start, time.perf_counter()))
         k = int(num_matches)
@@ -157,6 +258,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.accepted_tokens += k
         self.stats.new_tokens += k + 1
         self.acceptance.update(k, g)
+        self.costs.add_acceptance(k, g)
         if self.config.record_timeline and self.stats.timeline:
             self.stats.timeline[-1].update(t_verified=time.perf_counter(), accepted=k)
 
@@ -167,19 +269,29 @@ class SSDCandidateGenerator(CandidateGenerator):
                 return tokens[: i + 1], (logits[: i + 1] if logits is not None else None)
         return tokens, logits
 
-    def _submit(self, context: list[int], candidates: list[int], alpha: float) -> None:
+    def _submit(self, context: list[int], candidates: list[int], alpha: float, option: Option) -> None:
         round_id = self.round
         g = len(candidates)
-        fanout = self._fanout(g, alpha)
-        next_fanout = self._fanout(self.config.gamma, alpha)
-        limit = min(self.max_outcomes, self.config.cache_size)
-        gamma = self.config.gamma
+        budget, gamma = option.budget, option.gamma
+        fanout = self._fanout(budget, g, alpha)
+        next_fanout = self._fanout(budget, gamma, alpha)
+        limit = self._outcome_limit(budget)
+        info: dict = {}
+        self._job_info, self._job_budget = info, budget
+        self._job_predicted = self.scheduler.hit_rate(budget, g, self.costs.acceptance) if budget > 0 else 0.0
+        # When the outcome is expected: the last, optional step (feeding the gamma-th token) is skipped if it
+        # would not finish by then, since the caller would wait for it (an unfinished step cannot be cut).
+        verify_s = self.costs.verify(g, None if self.scheduler.inline else budget)
+        step_s = self.costs.tree_step.predict(max(budget, 1))
+        deadline = time.perf_counter() + verify_s if verify_s is not None and not self.scheduler.inline else None
 
         def job(should_stop):
             # 1. Outcome prediction: draft distributions at every candidate position and after the last.
             self._hook("predict")
+            t0 = time.perf_counter()
             self.drafter.record(context + candidates, record_from=len(context) - 1)
             tops = self.drafter.candidate_tops(len(context), g)
+            info["tops"], info["record_s"] = tops, time.perf_counter() - t0
             outcomes = predict_outcomes(candidates, tops, fanout, alpha, limit)
             # Outcomes that end the generation (EOS bonus, length budget spent) need no next round.
             outcomes = [
@@ -191,7 +303,21 @@ class SSDCandidateGenerator(CandidateGenerator):
             # 2. Tree drafting: one batched draft forward per step for all branches, until the outcome arrives.
             self._hook("draft")
             tree = self.drafter.start_tree(len(context), outcomes)
-            drafted = self.drafter.tree_steps(tree, outcomes, gamma, next_fanout, should_stop)
+            steps, last = [], [time.perf_counter()]
+
+            def on_step(j):  # the job's own step timings, read by the caller after collect
+                t = time.perf_counter()
+                steps.append((len(outcomes), t - last[0]))
+                last[0] = t
+
+            def stop():
+                if should_stop():
+                    return True
+                late = deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
+                return len(steps) == gamma and late
+
+            drafted = self.drafter.tree_steps(tree, outcomes, gamma, next_fanout, stop, on_step)
+            info["steps"] = steps
             # 3. Cache insert.
             self._hook("insert")
             for state, result in drafted:
@@ -203,8 +329,13 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.speculator.submit(job)
 
     def close(self) -> None:
+        if self._current is not None and self.stats.rounds >= self.round:  # the last round: now verified
+            self.stats.add_round(self._current[0].name, time.perf_counter() - self._round_start, *self._current[1:])
+            self._current = None
         self.speculator.close()
         getattr(self.drafter, "release", lambda: None)()  # static buffers go back for the next call
         self.stats.evictions = self.cache.evictions
         self.stats.draft_forwards = self.drafter.forwards
+        budgets = sorted({o.budget for o in self.options if o.kind == "ssd"})
+        self.stats.cost_model = self.costs.snapshot(self.scheduler.default.gamma, budgets)
         self.cache.clear()

@@ -23,6 +23,7 @@ import torch
 from transformers import GenerationMixin
 
 from .config import SSDConfig
+from .costs import cost_model_for
 from .generator import SSDCandidateGenerator
 from .kvcache import check_draft, stateful_reason
 from .layouts import resolve_layout, thread_settings
@@ -72,10 +73,17 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
             self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model, **kwargs,
         )
+    config = call["config"]
+
+    def costs(top_k: int):  # the estimates of this pair, kept across calls
+        return cost_model_for(self, assistant_model, assistant_model.device, call["layout"],
+                              bool(generation_config.do_sample), top_k, config.initial_acceptance)
+
     gen = SSDCandidateGenerator(
-        assistant_model, call["config"], generation_config, logits_processor, call["layout"],
+        assistant_model, config, generation_config, logits_processor, call["layout"],
         out_vocab=self.config.get_text_config().vocab_size, cpu_threads=call["cpu_threads"], hooks=call["hooks"],
         prompt_mask=model_kwargs.get("attention_mask"),  # the caller's padding, which the draft must honour too
+        costs=costs,
     )
     call["generator"] = gen
     return gen
@@ -158,14 +166,24 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
         and stats.lookups >= 4
         and stats.hit_rate < config.hit_rate_warning
     ):
+        if config.schedule == "auto":
+            advice = (f"The scheduler measured this and ran: {stats.schedule_summary()} (rounds by option: "
+                      f"{_option_rounds(stats)}). A draft closer to the target raises the hit rate.")
+        else:
+            advice = ("Try a larger fanout_budget, a smaller gamma, a draft closer to the target, or "
+                      "schedule='auto' (the default), which picks the fan-out and falls back to plain speculative "
+                      "decoding when speculation does not pay.")
         logger.warning(
-            "hf_ssd: speculation cache hit rate %.0f%% is under %.0f%% (%d/%d). Try a larger fanout_budget, a "
-            "smaller gamma, or a draft closer to the target.",
-            100 * stats.hit_rate, 100 * config.hit_rate_warning, stats.cache_hits, stats.lookups,
+            "hf_ssd: speculation cache hit rate %.0f%% is under %.0f%% (%d/%d). %s",
+            100 * stats.hit_rate, 100 * config.hit_rate_warning, stats.cache_hits, stats.lookups, advice,
         )
     if hasattr(out, "sequences"):
         out.ssd_stats = stats
     return out
+
+
+def _option_rounds(stats: SSDStats) -> str:
+    return ", ".join(f"{name} {rounds}" for name, rounds, _ in stats.option_shares())
 
 
 def _close(call: dict, raise_pending: bool) -> None:

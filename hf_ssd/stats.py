@@ -30,6 +30,11 @@ class SSDStats:
 
     `bubble_ratio` is the share of wall time in which the verifier or the speculator sat idle waiting on the
     other (1 - time both were busy / wall time): 1.0 for strictly alternating SD, towards 0 for full overlap.
+
+    Scheduling: `options` maps each option that produced a round's candidates ("ssd(b=8,g=4)", "sd(g=4)",
+    "ar") to {"rounds", "seconds"}; `explored_rounds` counts rounds run to measure an option rather than because
+    it was predicted best; `predicted_tokens_per_second` is what the cost model predicted for the rounds it
+    decided (compare `tokens_per_second`); `cost_model` is the measured model at the end of the call.
     """
 
     rounds: int = 0
@@ -52,6 +57,12 @@ class SSDStats:
     draft_forwards: int = 0
     layout: str = ""
     draft_path: str = ""  # "dynamic", "static" or "static+graphs"
+    schedule: str = ""
+    options: dict = field(default_factory=dict)
+    explored_rounds: int = 0
+    predicted_tokens: float = 0.0
+    predicted_seconds: float = 0.0
+    cost_model: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list, repr=False)
     intervals: dict = field(default_factory=dict, repr=False)  # busy (start, end) lists: verify/speculate/fallback
 
@@ -79,6 +90,33 @@ class SSDStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
+    @property
+    def predicted_tokens_per_second(self) -> float:
+        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else 0.0
+
+    def add_round(self, option: str, seconds: float, prediction=None, explored: bool = False) -> None:
+        entry = self.options.setdefault(option, {"rounds": 0, "seconds": 0.0})
+        entry["rounds"] += 1
+        entry["seconds"] += seconds
+        self.explored_rounds += int(explored)
+        if prediction is not None:
+            self.predicted_tokens += prediction.tokens
+            self.predicted_seconds += prediction.seconds
+
+    def option_shares(self) -> list[tuple[str, int, float]]:
+        """(option, rounds, share of round time), most time first."""
+        total = sum(e["seconds"] for e in self.options.values()) or 1.0
+        rows = [(name, e["rounds"], e["seconds"] / total) for name, e in self.options.items()]
+        return sorted(rows, key=lambda r: -r[2])
+
+    def schedule_summary(self) -> str:
+        if not self.options:
+            return f"schedule {self.schedule}: no rounds"
+        parts = ", ".join(f"{name} {share:.0%}" for name, _, share in self.option_shares()[:3])
+        more = f" (+{len(self.options) - 3} more)" if len(self.options) > 3 else ""
+        pred = f", predicted {self.predicted_tokens_per_second:.2f} tok/s" if self.predicted_seconds > 0 else ""
+        return f"schedule {self.schedule}: {parts}{more} of round time{pred}"
+
     def finalize(self, wall: tuple[float, float], verify: list, speculate: list) -> None:
         """Derive the time split from the busy intervals of verifier and speculator."""
         self.wall_time = wall[1] - wall[0]
@@ -90,7 +128,8 @@ class SSDStats:
         d = asdict(self)
         d.pop("timeline")
         d.pop("intervals")
-        for name in ("acceptance_rate", "mean_accepted_length", "hit_rate", "bubble_ratio", "tokens_per_second"):
+        for name in ("acceptance_rate", "mean_accepted_length", "hit_rate", "bubble_ratio", "tokens_per_second",
+                     "predicted_tokens_per_second"):
             d[name] = getattr(self, name)
         return d
 
@@ -98,5 +137,6 @@ class SSDStats:
         return (
             f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.2f} tok/s) | "
             f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
-            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}) | bubble ratio {self.bubble_ratio:.1%}"
+            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}) | bubble ratio {self.bubble_ratio:.1%} | "
+            f"{self.schedule_summary()}"
         )

@@ -114,6 +114,8 @@ CONFIG_CASES = [
     ({"static_draft": 1}, "SSDConfig.static_draft must be True, False or None"),
     ({"cuda_graphs": "auto"}, "SSDConfig.cuda_graphs must be True, False or None"),
     ({"cuda_graphs": True, "static_draft": False}, "SSDConfig.cuda_graphs=True needs the static draft path"),
+    ({"schedule": "adaptive"}, "SSDConfig.schedule must be one of ['auto', 'fixed']"),
+    ({"schedule": None}, "SSDConfig.schedule must be one of"),
 ]
 
 

@@ -49,7 +49,8 @@ def reference(target):
 
 
 def ssd(target, draft, **kw):
-    config = kw.pop("ssd_config", SSDConfig(gamma=4, hit_rate_warning=0.0))
+    # An explicit layout keeps the speculator running under the scheduler (it tunes only the fan-out budget).
+    config = kw.pop("ssd_config", SSDConfig(gamma=4, layout="thread", hit_rate_warning=0.0))
     return target.generate(PROMPT, assistant_model=draft, max_new_tokens=NEW, do_sample=False, ssd_config=config, **kw)
 
 

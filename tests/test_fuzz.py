@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hf_ssd import LayoutError, SSDConfig, SSDConfigError, SSDUsageError, last_stats
-from hf_ssd.config import EVICTIONS, FALLBACKS, LAYOUTS
+from hf_ssd.config import EVICTIONS, FALLBACKS, LAYOUTS, SCHEDULES
 
 DOCUMENTED = (SSDConfigError, SSDUsageError, LayoutError)
 SCALE = float(os.environ.get("HF_SSD_FUZZ_SCALE", "1"))
@@ -81,7 +81,7 @@ def ssd_configs(draw) -> SSDConfig:
     return SSDConfig(
         gamma=gamma,
         fanout=fanout,
-        fanout_budget=draw(st.integers(0, 16)),
+        fanout_budget=draw(st.none() | st.integers(0, 16)),  # None: the scheduler picks budgets, SD or AR
         max_outcomes=draw(st.integers(0, 16)),
         cache_size=draw(st.integers(1, 16)),
         eviction=draw(st.sampled_from(EVICTIONS)),
@@ -95,6 +95,7 @@ def ssd_configs(draw) -> SSDConfig:
         hit_rate_warning=0.0,
         record_timeline=draw(st.booleans()),
         static_draft=draw(st.none() | st.booleans()),  # on CPU: None is the dynamic path, True the static one
+        schedule=draw(st.sampled_from(SCHEDULES)),
     )
 
 
@@ -212,6 +213,7 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "record_timeline": st.booleans(),
     "static_draft": st.none() | st.booleans(),
     "cuda_graphs": st.none() | st.booleans(),
+    "schedule": st.sampled_from(SCHEDULES),
 }
 assert set(VALID) == set(SSDConfig.__dataclass_fields__)
 

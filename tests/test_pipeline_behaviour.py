@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import pytest
 import torch
 from conftest import make_model, noisy_copy
 
@@ -50,7 +51,7 @@ def test_speculator_drafts_while_target_verifies(target, draft):
         ids = torch.tensor([[5, 6, 7, 8]])
         out = target.generate(
             ids, max_new_tokens=20, do_sample=False, eos_token_id=None, assistant_model=draft,
-            ssd_config=hf_ssd.SSDConfig(gamma=3, layout="thread", hit_rate_warning=0),
+            ssd_config=hf_ssd.SSDConfig(gamma=3, fanout_budget=1, layout="thread", hit_rate_warning=0),
         )
     finally:
         for h in handles:
@@ -99,15 +100,22 @@ def test_random_draft_is_still_exact_and_warns_about_hit_rate(caplog, random_dra
     assert "hit rate" in caplog.text
 
 
-def test_stats_are_consistent_and_on_dict_output(target, draft):
+@pytest.mark.parametrize("schedule", ["fixed", "auto"])
+def test_stats_are_consistent_and_on_dict_output(target, draft, schedule):
     ids = torch.tensor([[9, 8, 7]])
     out = target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, assistant_model=draft,
-                          return_dict_in_generate=True, ssd_config=hf_ssd.SSDConfig(hit_rate_warning=0))
+                          return_dict_in_generate=True,
+                          ssd_config=hf_ssd.SSDConfig(hit_rate_warning=0, schedule=schedule))
     stats = out.ssd_stats
     assert stats is hf_ssd.last_stats(target)
     assert stats.new_tokens == out.sequences.shape[1] - 3 == 16
-    # Every round after the first looks the cache up, except a last one with no room for candidates.
-    assert stats.rounds - 2 <= stats.lookups <= stats.rounds - 1
+    # Every SSD round after the first looks the cache up, except a last one with no room for candidates (the
+    # auto schedule may also run plain SD or AR rounds, which have no lookup).
+    ssd_rounds = sum(e["rounds"] for name, e in stats.options.items() if name.startswith("ssd"))
+    assert sum(e["rounds"] for e in stats.options.values()) == stats.rounds
+    assert ssd_rounds - 2 <= stats.lookups <= ssd_rounds - (1 if ssd_rounds == stats.rounds else 0)
+    if schedule == "fixed":
+        assert ssd_rounds == stats.rounds
     assert stats.new_tokens == stats.accepted_tokens + stats.rounds
     assert 0.0 <= stats.bubble_ratio <= 1.0 and stats.wall_time > 0
     assert stats.cache_misses == sum(stats.fallbacks.values())

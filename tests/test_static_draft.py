@@ -33,7 +33,8 @@ def prompt(seed: int, length: int = 6) -> torch.Tensor:
 
 
 def static_config(**kw) -> SSDConfig:
-    return SSDConfig(**{"static_draft": True, "layout": "inline", "hit_rate_warning": 0.0, **kw})
+    # schedule="fixed": the same options every run, so static and dynamic paths can be compared round by round.
+    return SSDConfig(**{"static_draft": True, "layout": "inline", "hit_rate_warning": 0.0, "schedule": "fixed", **kw})
 
 
 # ----- the drafter alone: same candidates as the dynamic path ------------------------------------------------------
@@ -170,6 +171,17 @@ def test_greedy_with_repetition_penalty_and_long_prompt(target, draft):
         ref = target.generate(ids, **kw)
         out = target.generate(ids, assistant_model=draft, ssd_config=static_config(gamma=3, fanout_budget=3), **kw)
         assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("layout", ["inline", "thread"])
+def test_static_path_under_the_scheduler_is_exact(target, draft, layout):
+    for seed in range(4):
+        ids = prompt(seed)
+        ref = target.generate(ids, max_new_tokens=NEW, do_sample=False)
+        out = target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft,
+                              ssd_config=SSDConfig(static_draft=True, layout=layout, hit_rate_warning=0.0))
+        assert out.tolist() == ref.tolist()
+        assert hf_ssd.last_stats(target).draft_path == "static"
 
 
 def test_static_path_has_hits(target, draft):

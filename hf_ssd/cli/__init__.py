@@ -169,6 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     _add_model_args(bench)
     _add_ssd_args(bench, with_gamma=False)
+
+    tune = sub.add_parser("tune", help="measure this pair's costs here; print predicted and measured speed of AR, "
+                                       "SD and SSD options and the recommended SSDConfig",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tune.add_argument("--dataset", default="humaneval", help="prompts: humaneval, gsm, or a .jsonl/.csv file")
+    tune.add_argument("--num-prompts", type=int, default=2, help="prompts per option")
+    tune.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt")
+    tune.add_argument("--gammas", type=_int_list, default=[2, 4, 6], help="plain SD draft lengths to measure (1..8)")
+    tune.add_argument("--budgets", type=_int_list, default=[1, 2, 4, 8],
+                      help="SSD fan-out budgets to measure (from 1, 2, 4, 8, 16), at gamma 4")
+    tune.add_argument("--do-sample", action="store_true", help="measure sampling (T=0.7) instead of greedy")
+    tune.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_args(tune)
     return parser
 
 
@@ -310,13 +324,34 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from ..bench.prompts import encode_prompt, load_prompts
+    from ..bench.tune import render, run_tune
+
+    target, draft, tokenizer = load_models(args)
+    _, ds = load_prompts(args.dataset, args.num_prompts)
+    prompts = [encode_prompt(r["prompt"], r["kind"], tokenizer)[-(128 if args.tiny else 4096):] for r in ds]
+    try:
+        report = run_tune(target, draft, prompts, args.max_new_tokens, tuple(args.gammas), tuple(args.budgets),
+                          args.do_sample, progress=not args.no_progress)
+    except ValueError as err:
+        raise SystemExit(f"hf-ssd: {err}") from err
+    print(render(report))
+    if args.json:
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:
         import transformers
 
         transformers.logging.set_verbosity_error()
-    command = cmd_generate if args.command == "generate" else cmd_bench
+    command = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune}[args.command]
     with _torch_threads(args.threads or (1 if args.tiny else None)):
         return command(args)
 

@@ -1,0 +1,155 @@
+"""`hf-ssd tune`: measure a pair on this machine, print its cost model, and recommend an `SSDConfig`.
+
+Each option (AR, plain SD at several gamma, overlapped SSD at several fan-out budgets) runs alone over the same
+prompts (the scheduler is restricted to it), which both measures its real speed and feeds the pair's cost
+model; then the model's prediction for every option is printed next to the measurement, the default
+`SSDConfig()` (schedule="auto") is measured last, already informed, and the recommendation is the option
+measured fastest.
+
+Predicted tok/s are per decoding round (verify + draft work), measured tok/s are whole `generate` calls (they
+also pay the prompt prefill), so predictions read somewhat higher.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ..config import SSDConfig
+from ..costs import cost_model_for, reset_estimates
+from ..integration import enable, last_stats
+from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler, allowed_options
+
+SAMPLE_TEMPERATURE = 0.7
+
+
+def _measure(target, draft, prompts, max_new_tokens, do_sample, config, only=None, seed=0):
+    """(tok/s over all prompts, last stats) of SSD calls restricted to option `only` (None: unrestricted)."""
+    hooks = {"options": lambda options: [o for o in options if o == only]} if only is not None else None
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+    if do_sample:
+        kwargs["temperature"] = SAMPLE_TEMPERATURE
+    tokens, seconds, outputs = 0, 0.0, []
+    for ids in prompts:
+        input_ids = torch.tensor([ids], device=target.device)
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft,
+                                  ssd_config=config, _ssd_hooks=hooks, **kwargs)
+        seconds += time.perf_counter() - start
+        tokens += out.shape[1] - len(ids)
+        outputs.append(out[0, len(ids):].tolist())
+    return tokens / seconds if seconds > 0 else 0.0, last_stats(target), outputs
+
+
+def _measure_ar(target, prompts, max_new_tokens, do_sample, seed=0):
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+    if do_sample:
+        kwargs["temperature"] = SAMPLE_TEMPERATURE
+    tokens, seconds, outputs = 0, 0.0, []
+    for ids in prompts:
+        input_ids = torch.tensor([ids], device=target.device)
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        seconds += time.perf_counter() - start
+        tokens += out.shape[1] - len(ids)
+        outputs.append(out[0, len(ids):].tolist())
+    return tokens / seconds if seconds > 0 else 0.0, outputs
+
+
+def recommended_config(option: Option) -> dict:
+    """SSDConfig arguments that make the scheduler run this option (or keep choosing it)."""
+    if option.kind == "ssd":
+        return {"gamma": option.gamma, "fanout_budget": option.budget}
+    if option.kind == "sd":
+        return {"gamma": option.gamma}  # auto picks plain SD where it measures it fastest, as here
+    return {}  # AR: the default schedule runs the target alone when the draft does not pay
+
+
+def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, gammas=(2, 4, 6),
+             budgets=(1, 2, 4, 8), do_sample: bool = False, progress: bool = True) -> dict:
+    """Measure and predict every option on `prompts` (token id lists); returns the report as a dict."""
+    from tqdm.auto import tqdm
+
+    enable(target)
+    reset_estimates(target)
+    base = SSDConfig(hit_rate_warning=0.0)
+    if not set(gammas) <= set(AUTO_GAMMAS) or not set(budgets) <= set(AUTO_BUDGETS):
+        raise ValueError(f"hf-ssd tune measures the scheduler's options: gammas from {list(AUTO_GAMMAS)}, budgets "
+                         f"from {list(AUTO_BUDGETS)}; got gammas {list(gammas)}, budgets {list(budgets)}.")
+    options = [Option("ar")] + [Option("sd", g) for g in gammas]
+    options += [Option("ssd", 4 if 4 in gammas else gammas[0], b) for b in budgets]
+    steps = len(options) + 2
+    bar = tqdm(total=steps, desc="hf-ssd tune", disable=not progress)
+    # Warm-up: first calls pay one-off costs (allocations, kernel selection) that would skew the first option.
+    _measure(target, draft, prompts[:1], min(8, max_new_tokens), do_sample, base)
+    bar.update(1)
+    ar_rate, ar_out = _measure_ar(target, prompts, max_new_tokens, do_sample)
+    rows = []
+    identical = True
+    for option in options:
+        bar.set_postfix_str(option.name)
+        if option.kind == "ar":
+            measured, outs = ar_rate, ar_out
+        else:
+            measured, _, outs = _measure(target, draft, prompts, max_new_tokens, do_sample, base, only=option)
+        identical &= do_sample or outs == ar_out
+        rows.append({"option": option.name, "measured_tok_s": measured})
+        bar.update(1)
+    stats = last_stats(target)
+    top_k = max(o.budget for o in allowed_options(base, stats.layout, 1)) + 1  # as the generator keys it
+    costs = cost_model_for(target, draft, draft.device, stats.layout, do_sample, top_k, base.initial_acceptance)
+    scheduler = Scheduler(base, costs, options, options[0], inline=stats.layout == "inline")
+    for row, option in zip(rows, options):
+        pred = scheduler.predict(option)
+        row["predicted_tok_s"] = pred.rate if pred is not None else None
+    auto_rate, auto_stats, auto_out = _measure(target, draft, prompts, max_new_tokens, do_sample, base)
+    identical &= do_sample or auto_out == ar_out
+    bar.update(1)
+    bar.close()
+    best = max(zip(rows, options), key=lambda ro: ro[0]["measured_tok_s"])
+    return {
+        "device": str(target.device), "layout": stats.layout, "mode": "sample" if do_sample else "greedy",
+        "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "cost_model": costs.snapshot(4, sorted(set(budgets))),
+        "options": rows,
+        "auto": {"measured_tok_s": auto_rate, "schedule": auto_stats.schedule_summary()},
+        "greedy_identical": None if do_sample else identical,
+        "recommended": {"option": best[1].name, "measured_tok_s": best[0]["measured_tok_s"],
+                        "ssd_config": recommended_config(best[1])},
+    }
+
+
+def render(report: dict) -> str:
+    lines = [
+        f"hf-ssd tune: {report['mode']}, {report['prompts']} prompts x {report['max_new_tokens']} new tokens on "
+        f"{report['device']} (layout {report['layout']})",
+        "",
+        "cost model (seconds; verify_s by candidates, tree_step_s by branches):",
+    ]
+    lines += [f"  {k}: {v}" for k, v in report["cost_model"].items()]
+    lines += ["", f"{'option':<18} {'predicted tok/s':>16} {'measured tok/s':>15}"]
+    for row in report["options"]:
+        pred = "-" if row["predicted_tok_s"] is None else f"{row['predicted_tok_s']:.2f}"
+        lines.append(f"{row['option']:<18} {pred:>16} {row['measured_tok_s']:>15.2f}")
+    auto = report["auto"]
+    lines += [
+        f"{'SSDConfig() auto':<18} {'':>16} {auto['measured_tok_s']:>15.2f}   ({auto['schedule']})",
+        "",
+        "(predicted: per decoding round; measured: whole generate calls, including the prompt prefill)",
+    ]
+    if report["greedy_identical"] is not None:
+        lines.append("greedy outputs identical to the target alone: " + ("yes" if report["greedy_identical"] else
+                                                                         "NO (please report a bug)"))
+    rec = report["recommended"]
+    lines += [
+        f"recommended: {rec['option']} ({rec['measured_tok_s']:.2f} tok/s measured): "
+        f"SSDConfig(**{rec['ssd_config']})   (the default SSDConfig() schedules it automatically)",
+        "json: " + json.dumps(rec),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Online cost measurements for the scheduler, kept per (target, draft, device) across `generate` calls.
+
+Everything is measured on the caller's thread from timestamps the generator takes anyway (the speculation job
+hands its own timings back with its results), and decays exponentially so the estimates follow a machine
+whose load changes. Nothing here affects what is proposed; it only informs the choice of option.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+
+class Ewma:
+    """Exponentially weighted mean with a prior worth `prior_weight` observations."""
+
+    def __init__(self, prior: float | None = None, prior_weight: float = 1.0, decay: float = 0.9):
+        self.decay = decay
+        self.weight = prior_weight if prior is not None else 0.0
+        self.total = (prior or 0.0) * self.weight
+        self.count = 0  # real observations
+
+    def update(self, value: float) -> None:
+        self.weight = self.decay * self.weight + 1.0
+        self.total = self.decay * self.total + value
+        self.count += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight > 0 else None
+
+
+class LinearFit:
+    """Weighted least squares y = a + b x with forgetting, b >= 0.
+
+    With a single x value seen so far the slope is unknown: `prior_slope(mean_x, mean_y)` supplies it
+    (e.g. proportional for sequential draft steps, a small relative slope for a memory-bound verify).
+    """
+
+    def __init__(self, prior_slope, decay: float = 0.95):
+        self.prior_slope = prior_slope
+        self.decay = decay
+        self.w = self.wx = self.wxx = self.wy = self.wxy = 0.0
+        self.count = 0
+
+    def update(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.wx, self.wxx = d * self.w + 1.0, d * self.wx + x, d * self.wxx + x * x
+        self.wy, self.wxy = d * self.wy + y, d * self.wxy + x * y
+        self.count += 1
+
+    def predict(self, x: float) -> float | None:
+        if self.w <= 0:
+            return None
+        mx, my = self.wx / self.w, self.wy / self.w
+        var = self.wxx / self.w - mx * mx
+        if var > 0.1:
+            slope = max(0.0, (self.wxy / self.w - mx * my) / var)
+        else:
+            slope = self.prior_slope(mx, my)
+        return max(1e-6, my + slope * (x - mx))
+
+
+def _proportional(mx: float, my: float) -> float:
+    return my / mx if mx > 0 else 0.0
+
+
+def _relative(rate: float):
+    return lambda mx, my: rate * my / (1.0 + rate * mx)
+
+
+class CostModel:
+    """Measured costs of one (target, draft, device, layout, mode) combination. All times in seconds.
+
+    - `verify_alone(n)`: target time per round (verify n candidates + the loop) with no speculator running.
+    - `verify_overlapped[b](n)`: the same while a speculation job of fan-out budget b runs (interference).
+    - `draft(n)`: drafting n tokens sequentially on the critical path (plain SD, miss fallbacks).
+    - `verify_alone_with[t]`, `draft_with[t]`: the same two at t torch threads where the scheduler tries fewer
+      threads than the default (a CPU shared with other work can run faster on one thread than on two).
+    - `tree_step(w)`: one batched pre-draft step over w branches, as the background job measures it.
+    - `record`: the job's outcome-prediction forward; `overhead[b]`: critical-path time a job of budget b
+      adds to the next round besides drafting (waiting for its current step, adopting a branch; with
+      layout "inline" the whole job).
+    - `ranks`: where the target's bonus token ranked among the draft's top tokens (the last cell: not among
+      them), from which the hit rate of any fan-out budget is predicted; `hits[b]` / `expected[b]` calibrate
+      that prediction against the measured hits of budget b.
+    - `acceptance`: per-token acceptance rate.
+    """
+
+    def __init__(self, on_gpu: bool, top_k: int, initial_acceptance: float):
+        self.on_gpu = on_gpu
+        self.verify_alone = LinearFit(_relative(0.02))
+        self.verify_overlapped: dict[int, LinearFit] = {}
+        self.draft = LinearFit(_proportional)
+        self.verify_alone_with: dict[int, LinearFit] = {}
+        self.draft_with: dict[int, LinearFit] = {}
+        # A batched step over more branches costs more on CPU cores, nearly nothing more on a GPU (prior only).
+        self.tree_step = LinearFit(_relative(0.02 if on_gpu else 0.25))
+        self.record = Ewma()
+        self.overhead: dict[int, Ewma] = {}
+        self.top_k = top_k
+        # Prior: the bonus is usually the draft's first choice, sometimes its second (worth ~5 rounds).
+        self.ranks = [0.0] * (top_k + 1)
+        self.ranks[0], self.ranks[1], self.ranks[top_k] = 3.0, 1.0, 1.0
+        self.rank_decay = 0.98
+        self.hits: dict[int, float] = {}
+        self.expected: dict[int, float] = {}
+        self.accepted = initial_acceptance * 4.0
+        self.tried = 4.0
+        self.rounds_seen = 0
+        # Per option: decayed sums of (rounds, measured tokens, predicted tokens, measured s, predicted s)
+        # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
+        # independent per position, costs that are not linear).
+        self.outcomes: dict[object, list[float]] = {}
+        self.lock = threading.Lock()  # one generate call at a time updates a model
+
+    # ----- updates ------------------------------------------------------------------------------------------
+    def add_acceptance(self, accepted: int, proposed: int) -> None:
+        if proposed <= 0:
+            return
+        self.accepted = 0.95 * self.accepted + accepted
+        self.tried = 0.95 * self.tried + min(proposed, accepted + 1)
+
+    def add_rank(self, rank: int | None) -> None:
+        self.ranks = [c * self.rank_decay for c in self.ranks]
+        self.ranks[self.top_k if rank is None or rank >= self.top_k else rank] += 1.0
+
+    def add_lookup(self, budget: int, hit: bool, predicted: float) -> None:
+        self.hits[budget] = 0.95 * self.hits.get(budget, 0.0) + float(hit)
+        self.expected[budget] = 0.95 * self.expected.get(budget, 0.0) + predicted
+
+    def add_verify(self, n: int, seconds: float, budget: int | None, threads: int = 0) -> None:
+        if threads:
+            self.verify_alone_with.setdefault(threads, LinearFit(_relative(0.02))).update(n, seconds)
+        elif budget is None:
+            self.verify_alone.update(n, seconds)
+        else:
+            self.verify_overlapped.setdefault(budget, LinearFit(_relative(0.02))).update(n, seconds)
+
+    def add_round_outcome(self, option, tokens: int, seconds: float, predicted) -> None:
+        sums = self.outcomes.setdefault(option, [0.0] * 5)
+        for i, v in enumerate((1.0, tokens, predicted.tokens, seconds, predicted.seconds)):
+            sums[i] = 0.9 * sums[i] + v
+
+    def correction(self, option, prior_rounds: float = 3.0) -> tuple[float, float]:
+        """(measured / predicted tokens, measured / predicted seconds) over this option's rounds.
+
+        Shrunk towards 1 by `prior_rounds` rounds that went as predicted, so one odd round moves little."""
+        sums = self.outcomes.get(option)
+        if sums is None or sums[2] <= 0 or sums[4] <= 0:
+            return 1.0, 1.0
+        weight, tokens, pred_tokens, seconds, pred_seconds = sums
+        t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
+        return (tokens + t_prior) / (pred_tokens + t_prior), (seconds + s_prior) / (pred_seconds + s_prior)
+
+    def add_overhead(self, budget: int, seconds: float) -> None:
+        self.overhead.setdefault(budget, Ewma(decay=0.85)).update(seconds)
+
+    # ----- estimates ----------------------------------------------------------------------------------------
+    @property
+    def acceptance(self) -> float:
+        return min(max(self.accepted / self.tried, 0.0), 0.995)
+
+    def coverage(self, f: int) -> float:
+        """P(the bonus is among the draft's f most likely tokens): the hit chance of f branches at one k."""
+        total = sum(self.ranks)
+        return sum(self.ranks[: min(f, self.top_k)]) / total if total > 0 else 0.0
+
+    def calibration(self, budget: int) -> float:
+        """Measured hits over predicted hits for this budget (1 when unmeasured), with a prior of 2 rounds."""
+        return (self.hits.get(budget, 0.0) + 2.0) / (self.expected.get(budget, 0.0) + 2.0)
+
+    def _nearest(self, table: dict, budget: int):
+        if budget in table:
+            return table[budget]
+        if not table:
+            return None
+        return table[min(table, key=lambda b: (abs(math.log2(max(b, 1)) - math.log2(max(budget, 1))), b))]
+
+    def add_draft(self, n: int, seconds: float, threads: int = 0) -> None:
+        (self.draft_with.setdefault(threads, LinearFit(_proportional)) if threads else self.draft).update(n, seconds)
+
+    def draft_time(self, n: int, threads: int = 0) -> float | None:
+        if threads:
+            fit = self.draft_with.get(threads)
+            return fit.predict(n) if fit is not None else None
+        return self.draft.predict(n)
+
+    def verify(self, n: int, budget: int | None, threads: int = 0) -> float | None:
+        if threads:
+            fit = self.verify_alone_with.get(threads)
+            return fit.predict(n) if fit is not None else None
+        alone = self.verify_alone.predict(n)
+        if budget is None:
+            if alone is None:  # only overlapped rounds seen: the cheapest of them bounds it from above
+                seen = [f.predict(n) for f in self.verify_overlapped.values() if f.count]
+                return min(seen) if seen else None
+            return alone
+        fit = self._nearest(self.verify_overlapped, budget)
+        if fit is not None and (budget in self.verify_overlapped or alone is None):
+            return fit.predict(n)
+        if fit is not None and alone is not None:
+            # Unmeasured budget: assume the interference ratio of the nearest measured one.
+            return alone * max(1.0, fit.predict(n) / max(self.verify_alone.predict(n), 1e-9))
+        return alone
+
+    def overhead_for(self, budget: int) -> float:
+        e = self._nearest(self.overhead, budget)
+        return e.value if e is not None and e.value is not None else 0.0
+
+    def snapshot(self, gamma: int, budgets: list[int]) -> dict:
+        """The measured model at draft length gamma, for stats and `hf-ssd tune` (seconds)."""
+        def r(x):
+            return None if x is None else round(x, 6)
+
+        return {
+            "acceptance": round(self.acceptance, 4),
+            "verify_s": {n: r(self.verify(n, None)) for n in sorted({0, 1, gamma})},
+            "verify_overlapped_s": {b: r(self.verify(gamma, b)) for b in budgets},
+            "draft_s": {n: r(self.draft.predict(n)) for n in sorted({1, gamma})},
+            "tree_step_s": {b: r(self.tree_step.predict(b)) for b in budgets},
+            "record_s": r(self.record.value),
+            "overhead_s": {b: r(self.overhead_for(b)) for b in budgets},
+            "bonus_in_top": {f: round(self.coverage(f), 4) for f in (1, 2, 4, 8) if f <= self.top_k},
+            "hit_calibration": {b: round(self.calibration(b), 3) for b in budgets},
+            "rounds_seen": self.rounds_seen,
+        }
+
+
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {key: CostModel}
+_models_lock = threading.Lock()
+
+
+def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: int,
+                   initial_acceptance: float) -> CostModel:
+    """The estimates of this pair on this device, created on first use; a second call starts informed.
+
+    Keyed on the target object (weakly: they go with it) and the draft's identity, device, layout and mode
+    (acceptance differs between greedy and sampling). The draft is held by id only, so a new draft that reuses
+    a freed one's id inherits its estimates; that costs at most some exploration, never exactness.
+    """
+    key = (id(draft), str(device), layout, bool(do_sample), top_k)
+    with _models_lock:
+        per_target = _models.setdefault(target, {})
+        model = per_target.get(key)
+        if model is None:
+            model = per_target[key] = CostModel(getattr(device, "type", str(device)) == "cuda", top_k,
+                                                initial_acceptance)
+        return model
+
+
+def reset_estimates(target=None) -> None:
+    """Forget measured costs (of one target, or all): the next call explores from the priors again."""
+    with _models_lock:
+        if target is None:
+            _models.clear()
+        else:
+            _models.pop(target, None)

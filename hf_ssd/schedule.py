@@ -1,0 +1,205 @@
+"""The scheduler: which option runs the next round, from the measured costs (docs/scheduling.md).
+
+Options:
+- `ssd(b, g)`: overlapped SSD, a speculation job with fan-out budget b pre-drafts g tokens per branch while the
+  target verifies; the next round hits the cache or runs the fallback.
+- `sd(g)`: plain speculative decoding: no background job, g tokens drafted on the critical path.
+- `ar`: no draft: the target decodes one token per round.
+
+Every option only changes what is proposed to the target's exact verification, so switching between rounds
+never changes the output. Per option, expected tokens per round E and round time T follow the SSD paper's
+analysis (expected tokens of a draft of length g with per-token acceptance a: (1 - a^(g+1)) / (1 - a)); the
+option with the best E / T runs, except on exploration rounds, which try another option so that a wrong early
+estimate is corrected.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from .costs import CostModel
+from .fanout import acceptance_length_probs, geometric_fanout
+
+AUTO_BUDGETS = (1, 2, 4, 8, 16)
+AUTO_GAMMAS = tuple(range(1, 9))
+EXPLORE = 0.08  # share of rounds that try another option family while estimates are young
+EXPLORE_MIN = 0.02
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: str  # "ssd", "sd" or "ar"
+    gamma: int = 0
+    budget: int = 0
+    threads: int = 0  # torch threads on the critical path (CPU, SD and AR only); 0: the call's default
+
+    @property
+    def name(self) -> str:
+        t = f"t={self.threads}" if self.threads else ""
+        if self.kind == "ssd":
+            return f"ssd(b={self.budget},g={self.gamma})"
+        if self.kind == "sd":
+            return f"sd(g={self.gamma}{',' + t if t else ''})"
+        return f"ar({t})" if t else "ar"
+
+    @property
+    def family(self) -> str:
+        """Exploration picks among families (kinds, budgets of SSD, thread counts); the model picks gamma."""
+        return f"ssd{self.budget}" if self.kind == "ssd" else f"{self.kind}{self.threads or ''}"
+
+
+@dataclass
+class Prediction:
+    tokens: float  # expected new tokens per round
+    seconds: float  # expected round time
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def expected_tokens(n: int, alpha: float) -> float:
+    """Expected tokens of one round verifying n drafted tokens: accepted prefix plus the bonus."""
+    if alpha >= 1.0:
+        return n + 1.0
+    return (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
+
+
+def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple[int, ...] = ()) -> list[Option]:
+    """The options the scheduler may pick; explicit settings are constraints.
+
+    - schedule="fixed": only SSD with the configured gamma and budget (today's behaviour).
+    - gamma set: that gamma only.
+    - a fan-out set (fanout list or fanout_budget) or a layout set: the user asked for the speculator, so only
+      SSD options (at that fan-out); the scheduler still tunes gamma where it is not set.
+    - otherwise: AR, SD and SSD at budgets 1..16 (within the cache size); `fewer_threads` adds AR and SD at
+      those thread counts (CPU thread layout with `cpu_threads` unset).
+    """
+    gammas = (config.gamma,) if config.is_set("gamma") or config.is_set("fanout") else AUTO_GAMMAS
+    if config.schedule == "fixed":
+        return [Option("ssd", config.gamma, fixed_budget)]
+    if config.is_set("fanout") or config.is_set("fanout_budget"):
+        return [Option("ssd", g, fixed_budget) for g in gammas]
+    budgets = [b for b in AUTO_BUDGETS if b <= config.cache_size]
+    ssd = [Option("ssd", g, b) for b in budgets for g in gammas]
+    if config.is_set("layout"):
+        return ssd
+    plain = [Option("ar", threads=t) for t in (0, *fewer_threads)]
+    plain += [Option("sd", g, threads=t) for t in (0, *fewer_threads) for g in gammas]
+    return plain + ssd
+
+
+class Scheduler:
+    def __init__(self, config, costs: CostModel, options: list[Option], default: Option, inline: bool):
+        self.config = config
+        self.costs = costs
+        self.options = options
+        self.default = default
+        self.inline = inline
+        self.rng = random.Random(len(options))  # never the caller's RNG: decisions must not move sampling
+        families: dict[str, list[Option]] = {}
+        for o in options:
+            families.setdefault(o.family, []).append(o)
+        self.families = families
+        # First rounds with no estimates: the default twice, then each other family once, so that every option
+        # can be predicted from measurements (unmeasured budgets are interpolated from measured ones).
+        self._queue: list[Option] = []
+        if costs.rounds_seen == 0:
+            self._queue = [default, default] + [
+                self._pick_gamma(fam, default.gamma) for name, fam in families.items() if name != default.family
+            ]
+
+    @staticmethod
+    def _pick_gamma(family: list[Option], gamma: int) -> Option:
+        return min(family, key=lambda o: abs(o.gamma - gamma))
+
+    # ----- model ----------------------------------------------------------------------------------------------
+    def hit_rate(self, budget: int, gamma: int, alpha: float) -> float:
+        """P(the cache holds the real outcome) for a job of this budget, from the measured bonus ranks.
+
+        Outcome (k accepted, bonus) is pre-drafted when the bonus is among the F_k most likely draft tokens at
+        position k, F = the geometric fan-out of the budget; summed over P(k) and calibrated by the measured
+        hits of that budget (which also counts jobs the outcome cut short before a branch existed).
+        """
+        if isinstance(self.config.fanout, list):
+            fanout = self.config.fanout[: gamma + 1]
+        else:
+            fanout = geometric_fanout(budget, alpha, gamma)
+        p = sum(pk * self.costs.coverage(f) for pk, f in zip(acceptance_length_probs(alpha, gamma), fanout))
+        return min(1.0, p * self.costs.calibration(budget))
+
+    def _fallback(self, gamma: int, alpha: float) -> tuple[float, float] | None:
+        """(tokens, seconds of drafting) of a miss's fallback for a round of draft length gamma."""
+        kind = self.config.fallback
+        if kind in ("ar", "ngram"):
+            return 1.0, 0.0
+        n = gamma if kind == "sd" else min(gamma, self.config.fallback_gamma or max(1, gamma // 2))
+        t = self.costs.draft_time(n)
+        return (expected_tokens(n, alpha), t) if t is not None else None
+
+    def predict(self, option: Option, alpha: float | None = None) -> Prediction | None:
+        """The model's E / T for this option, corrected by how its own past rounds compared with the model."""
+        pred = self.model(option, alpha)
+        if pred is None:
+            return None
+        tokens, seconds = self.costs.correction(option)
+        return Prediction(pred.tokens * tokens, pred.seconds * seconds)
+
+    def model(self, option: Option, alpha: float | None = None) -> Prediction | None:
+        c = self.costs
+        a = c.acceptance if alpha is None else alpha
+        if option.kind == "ar":
+            t = c.verify(0, None, option.threads)
+            return None if t is None else Prediction(1.0, t)
+        g = option.gamma
+        if option.kind == "sd":
+            tv, td = c.verify(g, None, option.threads), c.draft_time(g, option.threads)
+            return None if tv is None or td is None else Prediction(expected_tokens(g, a), tv + td)
+        b = option.budget
+        tv = c.verify(g, None if self.inline else b)
+        fb = self._fallback(g, a)
+        step = c.tree_step.predict(max(b, 1))
+        if tv is None or fb is None:
+            return None
+        p = self.hit_rate(b, g, a) if b > 0 else 0.0
+        # A hit returns the tokens pre-drafted by the time the outcome arrived (the job stops at the next step):
+        # with overlap, about (verify - record) / step of them; inline, the whole branch.
+        n_hit = g
+        if not self.inline and step is not None:
+            n_hit = min(g, max(1, math.ceil(max(0.0, tv - (c.record.value or 0.0)) / step)))
+        tokens = p * expected_tokens(n_hit, a) + (1.0 - p) * fb[0]
+        seconds = tv + c.overhead_for(b) + (1.0 - p) * fb[1]
+        return Prediction(tokens, seconds)
+
+    def best(self) -> tuple[Option, Prediction | None]:
+        best, best_pred = None, None
+        for o in self.options:
+            pred = self.predict(o)
+            if pred is not None and (best_pred is None or pred.rate > best_pred.rate):
+                best, best_pred = o, pred
+        return (best, best_pred) if best is not None else (self.default, None)
+
+    def decide(self) -> tuple[Option, Prediction | None, bool]:
+        """(option for the next round, its prediction, whether this is an exploration round)."""
+        if self._queue:
+            o = self._queue.pop(0)
+            return o, self.predict(o), True
+        best, pred = self.best()
+        # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
+        # predicted at under half the best rate: re-measuring those costs more than it can reveal.
+        epsilon = max(EXPLORE_MIN, EXPLORE / math.sqrt(max(1.0, self.costs.rounds_seen / 25)))
+        rates = {name: max((p.rate for p in map(self.predict, fam) if p is not None), default=None)
+                 for name, fam in self.families.items() if name != best.family}
+        floor = 0.5 * pred.rate if pred is not None else 0.0
+        worth = [name for name, r in rates.items() if r is None or r >= floor]
+        if worth and self.rng.random() < epsilon:
+            family = self.rng.choice(worth)
+            # Within the family, the gamma the model likes best (or the default's when it cannot say yet).
+            cands = self.families[family]
+            scored = [(self.predict(o), o) for o in cands]
+            scored = [(p.rate, o) for p, o in scored if p is not None]
+            o = max(scored, key=lambda x: x[0])[1] if scored else self._pick_gamma(cands, self.default.gamma)
+            return o, self.predict(o), True
+        return best, pred, False

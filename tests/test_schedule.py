@@ -1,0 +1,350 @@
+"""The measured-cost scheduler: its decisions, and that no decision or switch changes the output.
+
+- The model alone, fed known costs: it picks plain SD when the speculator slows the verifier, a wide SSD
+  fan-out when batching and overlap are free, AR when the draft does not pay.
+- A simulated device (hf_ssd.models.simulated): the same two regimes measured online by real `generate` calls;
+  the tests assert the decisions and exactness, not timings.
+- Forced options and random switching between rounds: greedy output identical to the target alone on many
+  prompts, and sampled output with the target's exact distribution (the chi-square tests of test_sampling.py,
+  threshold 1e-4 / 6 per statistic: a correct implementation fails a case with probability < 1e-4).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from conftest import make_model, noisy_copy
+from test_sampling import (
+    ALPHA,
+    GEN,
+    PROMPT,
+    L,
+    N,
+    chi_square_p,
+    exact_joint,
+    marginal,
+    pair,  # noqa: F401 - the module-scoped sampling pair fixture
+)
+
+import hf_ssd
+from hf_ssd import SSDConfig
+from hf_ssd.costs import CostModel, reset_estimates
+from hf_ssd.models.simulated import DeviceCost, simulate_device
+from hf_ssd.schedule import Option, Scheduler, allowed_options, expected_tokens
+
+QUIET = {"hit_rate_warning": 0.0}
+
+
+# ----- the model, fed known costs --------------------------------------------------------------------------------
+
+
+def fed_costs(alpha: float, verify: float, overlapped, draft_step: float, tree_step, ranks: list[float]):
+    """A CostModel that has 'measured' these costs (overlapped(b) and tree_step(w) are functions)."""
+    c = CostModel(on_gpu=False, top_k=17, initial_acceptance=alpha)
+    for _ in range(30):
+        for n in range(0, 9):
+            c.add_verify(n, verify * (1 + 0.01 * n), None)
+            for b in (1, 2, 4, 8, 16):
+                c.add_verify(n, overlapped(b) * (1 + 0.01 * n), b)
+            if n:
+                c.draft.update(n, draft_step * n)
+        for w in (1, 2, 4, 8, 16):
+            c.tree_step.update(w, tree_step(w))
+        c.record.update(draft_step)
+    c.ranks = list(ranks) + [0.0] * (c.top_k + 1 - len(ranks))
+    c.rounds_seen = 100
+    return c
+
+
+RANKS = [0.5, 0.15, 0.1, 0.05, 0.03, 0.02, 0.02, 0.01] + [0.0] * 9 + [0.12]  # bonus rank shares; last: beyond
+
+
+def best_of(costs, config=None):
+    config = config or SSDConfig()
+    options = allowed_options(config, "thread", 1)
+    return Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False).best()[0]
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0, 0.7) == pytest.approx(1.0)
+    assert expected_tokens(4, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert expected_tokens(3, 1.0) == 4.0
+
+
+def test_model_picks_wide_fanout_when_overlap_and_batching_are_free():
+    costs = fed_costs(0.8, 1.0, lambda b: 1.0, 0.25, lambda w: 0.25, RANKS)
+    best = best_of(costs)
+    assert best.kind == "ssd" and best.budget >= 4, best
+
+
+def test_model_picks_plain_sd_when_the_speculator_slows_the_verifier():
+    # Shared cores: a job of budget b makes the verify 1.6 + 0.1 b times slower, and wide steps cost more.
+    costs = fed_costs(0.8, 1.0, lambda b: 1.6 + 0.1 * b, 0.25, lambda w: 0.25 * w, RANKS)
+    assert best_of(costs).kind == "sd"
+
+
+def test_model_picks_ar_when_the_draft_does_not_pay():
+    costs = fed_costs(0.05, 1.0, lambda b: 1.5, 0.5, lambda w: 0.5, RANKS)
+    assert best_of(costs).kind == "ar"
+
+
+def test_explicit_values_are_constraints():
+    names = {o.kind for o in allowed_options(SSDConfig(), "thread", 1)}
+    assert names == {"ar", "sd", "ssd"}
+    assert {o.gamma for o in allowed_options(SSDConfig(gamma=3), "thread", 1) if o.kind != "ar"} == {3}
+    assert {o.kind for o in allowed_options(SSDConfig(layout="thread"), "thread", 1)} == {"ssd"}
+    pinned = allowed_options(SSDConfig(fanout_budget=2), "thread", 2)
+    assert {(o.kind, o.budget) for o in pinned} == {("ssd", 2)}
+    assert allowed_options(SSDConfig(gamma=5, schedule="fixed"), "thread", 8) == [Option("ssd", 5, 8)]
+    c = SSDConfig()
+    assert not c.is_set("gamma")
+    c.gamma = 4
+    assert c.is_set("gamma") and SSDConfig(gamma=4).is_set("gamma")
+    # A constrained scheduler never runs an option outside the constraint.
+    costs = fed_costs(0.8, 1.0, lambda b: 1.6 + 0.1 * b, 0.25, lambda w: 0.25 * w, RANKS)
+    assert best_of(costs, SSDConfig(layout="thread", gamma=3)).kind == "ssd"
+
+
+# ----- a simulated device: the same regimes, measured online -----------------------------------------------------
+
+V = 0.03  # seconds per verify; a draft step costs a quarter of it
+
+
+@pytest.fixture(scope="module")
+def sim_pair():
+    target = make_model(11)
+    draft = noisy_copy(target, 0.006, seed=3)  # moderate acceptance: misses at budget 1 are common
+    hf_ssd.enable(target)
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    return target, draft, prompt, ref
+
+
+def run_simulated(sim_pair, on_core: bool, calls: int = 3):
+    target, draft, prompt, ref = sim_pair
+    reset_estimates(target)
+    simulate_device(target, DeviceCost(V, 0.0005, 0.0, on_core))
+    # Batching is free off-core; on shared cores every extra branch costs half a step more.
+    simulate_device(draft, DeviceCost(V / 4, 0.0002, V / 8 if on_core else 0.0, on_core))
+    try:
+        for _ in range(calls):
+            out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft,
+                                  ssd_config=SSDConfig(**QUIET))
+            assert torch.equal(out, ref)
+            stats = hf_ssd.last_stats(target)
+    finally:
+        hf_ssd.models.simulated.unsimulate(target)
+        hf_ssd.models.simulated.unsimulate(draft)
+    return stats
+
+
+def share(stats, predicate) -> float:
+    total = sum(e["seconds"] for e in stats.options.values())
+    return sum(e["seconds"] for name, e in stats.options.items() if predicate(name)) / total
+
+
+def test_simulated_off_core_picks_overlap_with_wide_fanout(sim_pair):
+    stats = run_simulated(sim_pair, on_core=False)
+    wide = share(stats, lambda name: name.startswith("ssd(b=") and int(name[6:].split(",")[0]) >= 4)
+    assert wide > 0.5, stats.option_shares()
+
+
+def test_simulated_on_core_picks_plain_sd(sim_pair):
+    stats = run_simulated(sim_pair, on_core=True)
+    assert share(stats, lambda name: name.startswith("sd(")) > 0.5, stats.option_shares()
+
+
+# ----- forced options and switching: exactness -------------------------------------------------------------------
+
+
+def force(monkeypatch, choose):
+    """Replace the scheduler's decision by `choose(options) -> Option` (predictions left out)."""
+    monkeypatch.setattr(Scheduler, "decide", lambda self: (choose(self.options), None, False))
+
+
+def pick(kind: str, budget: int = 0):
+    return lambda options: next(o for o in options if o.kind == kind and (kind != "ssd" or o.budget == budget))
+
+
+CHOICES = {
+    "ar": pick("ar"),
+    "sd": pick("sd"),
+    "ssd_b1": pick("ssd", 1),
+    "ssd_b8": pick("ssd", 8),
+}
+
+
+@pytest.mark.parametrize("layout", ["auto", "inline"])
+def test_greedy_identity_under_random_switching(target, draft, monkeypatch, layout):
+    rng = random.Random(0)
+    force(monkeypatch, lambda options: rng.choice(options))
+    config = SSDConfig(gamma=3, **QUIET) if layout == "auto" else SSDConfig(gamma=3, layout="inline", **QUIET)
+    kinds = set()
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(2, 96, (1, 3 + seed % 5), generator=g)
+        ref = target.generate(prompt, max_new_tokens=24, do_sample=False)
+        out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=draft, ssd_config=config)
+        assert torch.equal(out, ref), f"seed {seed}"
+        stats = hf_ssd.last_stats(target)
+        kinds |= {name.split("(")[0] for name in stats.options}
+        assert sum(e["rounds"] for e in stats.options.values()) == stats.rounds
+    assert kinds == ({"ar", "sd", "ssd"} if layout == "auto" else {"ssd"})
+
+
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_greedy_identity_of_each_option(target, draft, monkeypatch, choice):
+    force(monkeypatch, CHOICES[choice])
+    for seed in range(6):
+        prompt = torch.randint(2, 96, (1, 4), generator=torch.Generator().manual_seed(100 + seed))
+        ref = target.generate(prompt, max_new_tokens=20, do_sample=False)
+        out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft,
+                              ssd_config=SSDConfig(gamma=3, **QUIET))
+        assert torch.equal(out, ref)
+    stats = hf_ssd.last_stats(target)
+    assert stats.rounds > 1
+    if choice.startswith("ssd"):
+        assert stats.lookups > 0
+    else:
+        assert stats.lookups == 0 and stats.branches_drafted == 0
+
+
+SAMPLING = {**CHOICES, "switching": None}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING))
+def test_sampling_distribution_under_each_option_and_switching(pair, monkeypatch, case):  # noqa: F811
+    target, draft = pair
+    rng = random.Random(1)
+    force(monkeypatch, SAMPLING[case] or (lambda options: rng.choice(options)))
+    joint = exact_joint(target)
+    config = SSDConfig(gamma=2, **QUIET)
+    torch.manual_seed(4321)
+    samples, used = [], set()
+    for _ in range(N):
+        out = target.generate(torch.tensor([PROMPT]), max_new_tokens=L, assistant_model=draft, ssd_config=config,
+                              **GEN)
+        samples.append(tuple(out[0, len(PROMPT):].tolist()))
+        used |= set(hf_ssd.last_stats(target).options)
+    assert case != "switching" or len({u.split("(")[0] for u in used}) == 3, used
+    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
+        observed: dict = {}
+        for s in samples:
+            key = tuple(s[i] for i in positions)
+            observed[key] = observed.get(key, 0) + 1
+        p = chi_square_p(observed, marginal(joint, positions), N)
+        assert p > ALPHA, f"{case}: positions {positions} deviate from the target distribution (p={p:.2e})"
+
+
+# ----- estimates across calls, stats, warning --------------------------------------------------------------------
+
+
+def test_second_call_starts_informed_and_stats_report_the_schedule(target, draft):
+    reset_estimates(target)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft, ssd_config=SSDConfig(**QUIET))
+    first = hf_ssd.last_stats(target)
+    assert first.explored_rounds >= 2  # the first call explores from the priors
+    target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft, ssd_config=SSDConfig(**QUIET))
+    second = hf_ssd.last_stats(target)
+    assert second.cost_model["rounds_seen"] > first.cost_model["rounds_seen"] > 0
+    assert second.explored_rounds < first.explored_rounds
+    assert "schedule auto:" in second.summary()
+    assert second.to_dict()["predicted_tokens_per_second"] > 0
+    assert abs(sum(s for _, _, s in second.option_shares()) - 1.0) < 1e-9
+
+
+def test_hit_rate_warning_says_what_the_scheduler_did(target, random_draft, caplog, monkeypatch):
+    force(monkeypatch, pick("ssd", 1))
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    with caplog.at_level(logging.WARNING, logger="hf_ssd"):
+        target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=random_draft,
+                        ssd_config=SSDConfig(hit_rate_warning=0.99))
+    assert "The scheduler measured this and ran: schedule auto: ssd(b=1" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_ssd"):
+        target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=random_draft,
+                        ssd_config=SSDConfig(hit_rate_warning=0.99, schedule="fixed"))
+    assert "schedule='auto'" in caplog.text
+
+
+# ----- hf-ssd tune -------------------------------------------------------------------------------------------------
+
+
+def test_tune_tiny_prints_model_predictions_and_recommendation(tmp_path, capsys):
+    import json
+
+    from hf_ssd.cli import build_parser, main
+
+    path = tmp_path / "tune.json"
+    argv = ["tune", "--tiny", "--num-prompts", "1", "--max-new-tokens", "8", "--gammas", "2,4", "--budgets", "1,4",
+            "--no-progress", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for word in ("cost model", "verify_s", "predicted tok/s", "measured tok/s", "sd(g=2)", "ssd(b=4,g=4)", "ar",
+                 "recommended:", "json:", "greedy outputs identical to the target alone: yes"):
+        assert word in out, word
+    report = json.loads(path.read_text())
+    assert {r["option"] for r in report["options"]} == {"ar", "sd(g=2)", "sd(g=4)", "ssd(b=1,g=4)", "ssd(b=4,g=4)"}
+    assert report["recommended"]["option"] in {r["option"] for r in report["options"]}
+    SSDConfig(**report["recommended"]["ssd_config"])  # a valid config
+    tune = build_parser()._subparsers._group_actions[0].choices["tune"]
+    assert "(default: 32)" in tune.format_help()
+    with pytest.raises(SystemExit, match="gammas from"):
+        main(["tune", "--tiny", "--gammas", "12", "--no-progress"])
+
+
+# ----- fewer threads on a shared CPU -----------------------------------------------------------------------------
+
+
+def test_model_picks_one_thread_when_it_measures_faster():
+    costs = fed_costs(0.8, 1.0, lambda b: 1.6 + 0.1 * b, 0.25, lambda w: 0.25 * w, RANKS)
+    for _ in range(30):  # a busy machine: one thread runs verify and draft in 60% of the time
+        for n in range(0, 9):
+            costs.add_verify(n, 0.6 * (1 + 0.01 * n), None, threads=1)
+            if n:
+                costs.add_draft(n, 0.6 * 0.25 * n, threads=1)
+    config = SSDConfig()
+    options = allowed_options(config, "thread", 1, fewer_threads=(1,))
+    assert Option("sd", 4, threads=1) in options and Option("ar", threads=1) in options
+    best = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False).best()[0]
+    assert best.kind == "sd" and best.threads == 1, best
+    assert not any(o.threads for o in allowed_options(SSDConfig(layout="thread"), "thread", 1, (1,)))
+
+
+def test_thread_switching_keeps_greedy_identity_and_restores_threads(target, draft, monkeypatch):
+    rng = random.Random(2)
+    force(monkeypatch, lambda options: rng.choice(options))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        used = set()
+        for seed in range(8):
+            prompt = torch.randint(2, 96, (1, 4), generator=torch.Generator().manual_seed(200 + seed))
+            ref = target.generate(prompt, max_new_tokens=20, do_sample=False)
+            out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft,
+                                  ssd_config=SSDConfig(gamma=3, **QUIET))
+            assert torch.equal(out, ref)
+            assert torch.get_num_threads() == 2  # the call's per-round settings do not leak
+            used |= set(hf_ssd.last_stats(target).options)
+        assert any("t=1" in name for name in used), used
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_measured_rounds_correct_a_wrong_model():
+    """An option whose rounds keep yielding fewer tokens than modelled stops being picked."""
+    costs = fed_costs(0.8, 1.0, lambda b: 1.0, 0.25, lambda w: 0.25, RANKS)
+    config = SSDConfig()
+    options = allowed_options(config, "thread", 1)
+    scheduler = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False)
+    first = scheduler.best()[0]
+    model = scheduler.model(first)
+    for _ in range(20):
+        costs.add_round_outcome(first, 0.3 * model.tokens, model.seconds, model)
+    assert scheduler.predict(first).tokens == pytest.approx(model.tokens * costs.correction(first)[0])
+    assert costs.correction(first)[0] < 0.5
+    assert scheduler.best()[0] != first
