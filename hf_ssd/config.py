@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 FALLBACKS = ("sd", "short", "ar", "ngram")
+FANOUTS = ("geometric", "calibrated")
 EVICTIONS = ("lru", "probability")
 LAYOUTS = ("auto", "thread", "stream", "device", "inline")
 SCHEDULES = ("auto", "fixed")
@@ -41,8 +42,10 @@ class SSDConfig:
     Args:
         gamma: number of draft tokens proposed per round (the draft length).
         fanout: `"geometric"` to split `fanout_budget` across acceptance lengths k = 0..gamma in proportion to
-            the probability of each k under the measured acceptance rate, or an explicit list of gamma + 1
-            ints (the number of bonus tokens to pre-draft for each k).
+            the probability of each k under the measured acceptance rate; `"calibrated"` to give the budget to
+            the most likely outcomes overall, with P(accept) at each position learned online as a function of
+            the draft's probability of the token it drafted (`hf_ssd/predictor.py`); or an explicit list of
+            gamma + 1 ints (the number of bonus tokens to pre-draft for each k).
         fanout_budget: total number of predicted outcomes per round for the geometric allocation. `None`
             picks by layout: 8 where the speculator has a GPU (batched branches are nearly free there), 1 on CPU
             (each extra branch slows every draft step; measured best on the 2-core reference machine).
@@ -77,7 +80,7 @@ class SSDConfig:
     """
 
     gamma: int = 4
-    fanout: Literal["geometric"] | list[int] = "geometric"
+    fanout: Literal["geometric", "calibrated"] | list[int] = "geometric"
     fanout_budget: int | None = None
     max_outcomes: int | None = None
     cache_size: int = 64
@@ -125,7 +128,7 @@ class SSDConfig:
     def validate(self) -> None:
         _check_int("gamma", self.gamma, 1, 64)
         if isinstance(self.fanout, str):
-            _check_choice("fanout", self.fanout, ("geometric",))
+            _check_choice("fanout", self.fanout, FANOUTS)
         elif isinstance(self.fanout, (list, tuple)):
             if len(self.fanout) != self.gamma + 1:
                 raise SSDConfigError(
@@ -137,7 +140,7 @@ class SSDConfig:
             self.fanout = list(self.fanout)
         else:
             raise SSDConfigError(
-                f"SSDConfig.fanout must be 'geometric' or a list of ints, got {type(self.fanout).__name__}."
+                f"SSDConfig.fanout must be 'geometric', 'calibrated' or a list of ints, got {type(self.fanout).__name__}."
             )
         if self.fanout_budget is not None:
             _check_int("fanout_budget", self.fanout_budget, 0, 4096)

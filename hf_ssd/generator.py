@@ -28,6 +28,7 @@ from .costs import CostModel
 from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import predict_outcomes
+from .predictor import calibration_for, drafted_probs, rank_outcomes
 from .schedule import Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
@@ -85,6 +86,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
+        # fanout="calibrated": P(accept | the draft's probability) learned from verifications, kept per draft.
+        self.calibration = calibration_for(draft_model, do_sample) if config.fanout == "calibrated" else None
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline")
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
         self.round = 0
@@ -105,6 +108,7 @@ class SSDCandidateGenerator(CandidateGenerator):
 
     # ----- fan-out ---------------------------------------------------------------------------------------
     def _fanout(self, budget: int, g: int, alpha: float) -> list[int]:
+        # Per-k counts: also what Saguaro sampling reads for "calibrated" (the tokens likely to be cached per k).
         if isinstance(self.config.fanout, list):
             return self.config.fanout[: g + 1] + [0] * max(0, g + 1 - len(self.config.fanout))
         return geometric_fanout(budget, alpha, g)
@@ -244,6 +248,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             excluded = candidates[k] if k < len(candidates) else None
             ids = [t for t in tops[k][1].tolist() if t != excluded]
             self.costs.add_rank(ids.index(bonus) if bonus in ids else None)
+        known = tops[: len(candidates)]
+        if self.calibration is not None and len(known) == len(candidates) and all(t is not None for t in known):
+            self.calibration.observe(drafted_probs(candidates, known), k)
         if "record_s" in info:
             self.costs.record.update(info["record_s"])
         for width, seconds in info.get("steps", []):
@@ -292,7 +299,10 @@ class SSDCandidateGenerator(CandidateGenerator):
             self.drafter.record(context + candidates, record_from=len(context) - 1)
             tops = self.drafter.candidate_tops(len(context), g)
             info["tops"], info["record_s"] = tops, time.perf_counter() - t0
-            outcomes = predict_outcomes(candidates, tops, fanout, alpha, limit)
+            if self.calibration is not None:  # ranked overall by P(k) * P(bonus | k), not split per k first
+                outcomes = rank_outcomes(candidates, tops, self.calibration, min(budget, limit))
+            else:
+                outcomes = predict_outcomes(candidates, tops, fanout, alpha, limit)
             # Outcomes that end the generation (EOS bonus, length budget spent) need no next round.
             outcomes = [
                 o for o in outcomes if o.bonus not in self.eos and len(context) + o.accepted + 2 < self.max_length

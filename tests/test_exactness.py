@@ -33,6 +33,7 @@ def models(attn: str = "eager"):
 configs = st.builds(
     hf_ssd.SSDConfig,
     gamma=st.integers(1, 6),
+    fanout=st.sampled_from(["geometric", "calibrated"]),
     fanout_budget=st.integers(0, 10),
     max_outcomes=st.integers(0, 10),
     cache_size=st.integers(1, 12),

@@ -76,7 +76,7 @@ def models(target, random_draft):
 def ssd_configs(draw) -> SSDConfig:
     gamma = draw(st.integers(1, 8))
     fanout = draw(st.one_of(
-        st.just("geometric"), st.lists(st.integers(0, 4), min_size=gamma + 1, max_size=gamma + 1),
+        st.sampled_from(["geometric", "calibrated"]), st.lists(st.integers(0, 4), min_size=gamma + 1, max_size=gamma + 1),
     ))
     return SSDConfig(
         gamma=gamma,
@@ -197,7 +197,7 @@ anything = st.one_of(
 fraction = st.floats(0.0, 1.0)
 VALID = {  # values each field accepts on its own (with the other fields at their defaults)
     "gamma": st.integers(1, 64),
-    "fanout": st.just("geometric") | st.lists(st.integers(0, 9), min_size=5, max_size=5),
+    "fanout": st.sampled_from(["geometric", "calibrated"]) | st.lists(st.integers(0, 9), min_size=5, max_size=5),
     "fanout_budget": st.integers(0, 4096),
     "max_outcomes": st.integers(0, 4096),
     "cache_size": st.integers(1, 10**6),

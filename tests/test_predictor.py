@@ -76,3 +76,44 @@ def test_rank_outcomes_budget_zero_and_no_candidates():
     assert rank_outcomes([4], [_top([(0.5, 4), (0.5, 2)]), _top([(1.0, 3)])], cal, 0) == []
     only = rank_outcomes([], [_top([(0.7, 1), (0.3, 2)])], cal, 2)
     assert [(o.accepted, o.bonus) for o in only] == [(0, 1), (0, 2)]
+
+
+# ----- in generate: fanout="calibrated" ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair():
+    from conftest import make_model, noisy_copy
+
+    import hf_ssd
+
+    target = make_model(0)
+    hf_ssd.enable(target)
+    return target, noisy_copy(target, 0.01)
+
+
+@pytest.mark.parametrize("layout", ["inline", "thread"])
+@pytest.mark.parametrize("budget", [1, 4])
+def test_calibrated_fanout_is_exact_and_learns(pair, layout, budget):
+    import hf_ssd
+    from hf_ssd.predictor import calibration_for
+
+    target, draft = pair
+    config = hf_ssd.SSDConfig(fanout="calibrated", fanout_budget=budget, layout=layout, schedule="fixed",
+                              hit_rate_warning=0.0)
+    before = calibration_for(draft, False).curve()
+    hits = 0
+    for seed in range(6):
+        ids = torch.randint(2, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
+        ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft, ssd_config=config)
+        assert out.tolist() == ref.tolist()
+        hits += hf_ssd.last_stats(target).cache_hits
+    assert hits > 0
+    assert calibration_for(draft, False).curve() != before  # verifications were observed (and carried over)
+
+
+def test_calibrated_is_a_valid_fanout_and_typos_are_not():
+    from hf_ssd import SSDConfig, SSDConfigError
+
+    assert SSDConfig(fanout="calibrated").fanout == "calibrated"
+    with pytest.raises(SSDConfigError, match="must be one of"):
+        SSDConfig(fanout="calibrate")

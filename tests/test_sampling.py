@@ -97,6 +97,8 @@ CASES = {
     "plain_thread": dict(gamma=2, layout="thread", fanout_budget=2),  # overlapped: timing decides hits
     "saguaro": dict(gamma=2, saguaro_c=0.5),
     "saguaro0": dict(gamma=3, saguaro_c=0.0, fanout_budget=4),
+    "calibrated": dict(gamma=3, fanout="calibrated", fanout_budget=3),
+    "calibrated_saguaro": dict(gamma=2, fanout="calibrated", fanout_budget=4, saguaro_c=0.3),
     "fallback_sd": dict(gamma=2, fanout_budget=1, fallback="sd"),
     "fallback_short": dict(gamma=3, fanout_budget=1, fallback="short"),
     "fallback_ar": dict(gamma=2, fanout_budget=1, fallback="ar"),

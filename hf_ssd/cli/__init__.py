@@ -32,7 +32,7 @@ def _str_list(text: str) -> list[str]:
 
 
 def _fanout(text: str):
-    return text if text == "geometric" else _int_list(text)
+    return text if text in ("geometric", "calibrated") else _int_list(text)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +57,7 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
     if with_gamma:
         g.add_argument("--gamma", type=int, default=d.gamma, help="draft tokens per round")
     g.add_argument("--fanout", type=_fanout, default=d.fanout,
-                   help="'geometric' or gamma+1 comma-separated ints (bonus tokens pre-drafted per k)")
+                   help="'geometric', 'calibrated' or gamma+1 comma-separated ints (bonus tokens pre-drafted per k)")
     g.add_argument("--fanout-budget", type=int, default=d.fanout_budget, help="predicted outcomes per round (default: chosen by placement)")
     g.add_argument("--max-outcomes", type=int, default=d.max_outcomes, help="outcome-space truncation (default: the fan-out budget)")
     g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache capacity")
