@@ -344,7 +344,7 @@ def test_graph_capture_failure_logged_or_raised(gpu_target, caplog, monkeypatch)
 
 def test_stream_graphs_sampling_matches_target_distribution():
     """The chi-square test of tests/test_sampling.py with the stream layout and graphs (false fail < 1e-4)."""
-    from test_sampling import ALPHA, GEN, PROMPT, L, N, V, chi_square_p, exact_joint, marginal
+    from test_sampling import GEN, PROMPT, L, N, V, assert_matches_target, exact_joint
 
     cpu_target = make_model(3, vocab_size=V, hidden=32)
     for m in (cpu_target,):
@@ -367,13 +367,7 @@ def test_stream_graphs_sampling_matches_target_distribution():
         assert st.draft_path == "static+graphs"
         hits += st.cache_hits
     assert hits > 0
-    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
-        observed: dict = {}
-        for sample in samples:
-            key = tuple(sample[i] for i in positions)
-            observed[key] = observed.get(key, 0) + 1
-        p = chi_square_p(observed, marginal(joint, positions), N)
-        assert p > ALPHA, f"positions {positions} deviate from the target distribution (p={p:.2e})"
+    assert_matches_target(samples, joint, "graphs")
 
 
 def test_graphs_under_inference_mode(gpu_target, speculators):

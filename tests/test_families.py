@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import noisy_copy
-from test_sampling import GEN, chi_square_p, marginal, processors
+from test_sampling import GEN, assert_matches_target, processors
 
 import hf_ssd
 from hf_ssd import SSDConfig, SSDUsageError, UnsupportedDraftError
@@ -274,7 +274,6 @@ def test_padded_vocabulary_with_tokenizer(t_vocab, d_vocab):
 
 SV, SL, SN = 6, 4, 700  # vocabulary, new tokens, samples (as in test_sampling)
 SPROMPT = [2, 3]
-ALPHA = 1e-4 / 6
 
 
 @torch.no_grad()
@@ -318,13 +317,7 @@ def test_sampling_matches_target_distribution(family, layout, d_vocab):
         samples.append(tuple(out[0, len(SPROMPT):].tolist()))
         hits += hf_ssd.last_stats(target).cache_hits
     assert hits > 0
-    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
-        observed: dict = {}
-        for s in samples:
-            key = tuple(s[i] for i in positions)
-            observed[key] = observed.get(key, 0) + 1
-        p = chi_square_p(observed, marginal(joint, positions), SN)
-        assert p > ALPHA, f"{family}: positions {positions} deviate from the target distribution (p={p:.2e})"
+    assert_matches_target(samples, joint, family)
 
 
 # ----- refused families ---------------------------------------------------------------------------------------

@@ -84,6 +84,21 @@ def chi_square_p(observed: dict, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(k, torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+POSITIONS = [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]  # each marginal, and pairs spanning the first rounds
+
+
+def assert_matches_target(samples: list[tuple], joint: dict, label: str = "") -> None:
+    """Chi-square test of each position's marginal and of two pairs against the exact joint distribution; each
+    statistic is held to ALPHA = 1e-4 / 6, so a correct sampler fails a call with probability < 1e-4."""
+    for positions in POSITIONS:
+        observed: dict = {}
+        for s in samples:
+            key = tuple(s[i] for i in positions)
+            observed[key] = observed.get(key, 0) + 1
+        p = chi_square_p(observed, marginal(joint, positions), len(samples))
+        assert p > ALPHA, f"{label}: positions {positions} deviate from the target distribution (p={p:.2e})"
+
+
 def marginal(joint: dict, positions: tuple[int, ...]) -> dict:
     out: dict = {}
     for seq, p in joint.items():
@@ -121,13 +136,7 @@ def test_sampling_matches_target_distribution(pair, case):
         hits, misses = hits + stats.cache_hits, misses + stats.cache_misses
     # The test must exercise both paths, or it would not prove much.
     assert hits > 0 and (misses > 0 or config.fallback == "sd"), (hits, misses)
-    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
-        observed: dict = {}
-        for s in samples:
-            key = tuple(s[i] for i in positions)
-            observed[key] = observed.get(key, 0) + 1
-        p = chi_square_p(observed, marginal(joint, positions), N)
-        assert p > ALPHA, f"{case}: positions {positions} deviate from the target distribution (p={p:.2e})"
+    assert_matches_target(samples, joint, case)
 
 
 def test_chi_square_detects_a_wrong_distribution(pair):

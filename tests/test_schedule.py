@@ -18,14 +18,12 @@ import pytest
 import torch
 from conftest import make_model, noisy_copy
 from test_sampling import (
-    ALPHA,
     GEN,
     PROMPT,
     L,
     N,
-    chi_square_p,
+    assert_matches_target,
     exact_joint,
-    marginal,
     pair,  # noqa: F401 - the module-scoped sampling pair fixture
 )
 
@@ -230,13 +228,7 @@ def test_sampling_distribution_under_each_option_and_switching(pair, monkeypatch
         samples.append(tuple(out[0, len(PROMPT):].tolist()))
         used |= set(hf_ssd.last_stats(target).options)
     assert case != "switching" or len({u.split("(")[0] for u in used}) == 3, used
-    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
-        observed: dict = {}
-        for s in samples:
-            key = tuple(s[i] for i in positions)
-            observed[key] = observed.get(key, 0) + 1
-        p = chi_square_p(observed, marginal(joint, positions), N)
-        assert p > ALPHA, f"{case}: positions {positions} deviate from the target distribution (p={p:.2e})"
+    assert_matches_target(samples, joint, case)
 
 
 # ----- estimates across calls, stats, warning --------------------------------------------------------------------

@@ -492,7 +492,7 @@ SAMPLING = {
 @pytest.mark.parametrize("case", list(SAMPLING))
 def test_sampling_matches_target_distribution(case):
     """Same statistics as tests/test_sampling.py: false-fail probability < 1e-4 per case (Bonferroni)."""
-    from test_sampling import ALPHA, GEN, PROMPT, L, N, V, chi_square_p, exact_joint, marginal
+    from test_sampling import GEN, PROMPT, L, N, V, assert_matches_target, exact_joint
 
     target = make_model(3, vocab_size=V, hidden=32)
     for m in (target,):
@@ -514,10 +514,4 @@ def test_sampling_matches_target_distribution(case):
         assert stats.draft_path == "static"
         hits += stats.cache_hits
     assert hits > 0
-    for positions in [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]:
-        observed: dict = {}
-        for s in samples:
-            key = tuple(s[i] for i in positions)
-            observed[key] = observed.get(key, 0) + 1
-        p = chi_square_p(observed, marginal(joint, positions), N)
-        assert p > ALPHA, f"{case}: positions {positions} deviate from the target distribution (p={p:.2e})"
+    assert_matches_target(samples, joint, case)
