@@ -55,6 +55,16 @@ class BranchState:
     fed: int = 0  # tokens fed into this row so far: the bonus, then the drafted tokens
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix: how much of the trunk a new context can keep."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Drafter:
     def __init__(
         self,
@@ -164,12 +174,7 @@ class Drafter:
         last = len(context) - 1
         if self._last is not None and self._last[0] == len(context) and self.ids == context:
             return self._last[1]
-        common = 0
-        for a, b in zip(self.ids, context):
-            if a != b:
-                break
-            common += 1
-        keep = min(common, last)
+        keep = min(common_prefix(self.ids, context), last)
         self._crop(keep)
         new = context[keep:]
         first = max(keep, last if record_from is None else min(record_from, last))

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .drafter import BranchState, Drafter, DraftResult
+from .drafter import BranchState, Drafter, DraftResult, common_prefix
 from .graphs import GraphCaptureError, StepRunner, host_list, to_device, to_host
 from .outcomes import Outcome
 
@@ -390,12 +390,7 @@ class StaticDrafter(Drafter):
         last = len(context) - 1
         if self._last is not None and self._last[0] == len(context) and self.ids == context:
             return self._last[1]
-        common = 0
-        for a, b in zip(self.ids, context):
-            if a != b:
-                break
-            common += 1
-        keep = min(common, last)
+        keep = min(common_prefix(self.ids, context), last)
         self._crop(keep)
         new = context[keep:]
         first = max(keep, last if record_from is None else min(record_from, last))

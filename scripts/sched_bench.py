@@ -29,6 +29,7 @@ import torch
 
 import hf_ssd
 from hf_ssd import SSDConfig
+from hf_ssd.bench.runner import assistant_settings, torch_threads
 
 ASSISTED = {  # name -> draft generation_config overrides (None: the draft's defaults)
     "assisted": None,
@@ -39,27 +40,12 @@ ASSISTED = {  # name -> draft generation_config overrides (None: the draft's def
 }
 
 
-@contextlib.contextmanager
 def draft_settings(draft, values):
-    gc = draft.generation_config
-    before = {k: getattr(gc, k, None) for k in (values or {})}
-    for k, v in (values or {}).items():
-        setattr(gc, k, v)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            setattr(gc, k, v)
+    return assistant_settings(draft, **(values or {}))
 
 
-@contextlib.contextmanager
 def threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return torch_threads(n)
 
 
 def run(method, target, draft, ids, new, sample, seed=0):

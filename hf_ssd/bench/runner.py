@@ -78,6 +78,20 @@ def bench_methods(gammas: list[int], inline_gamma: int | None = None) -> list[Me
 
 
 @contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Set torch's intra-op threads for the block (None: leave them) and restore them afterwards."""
+    if not n:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def assistant_settings(draft, **values):
     """Set fields of the draft's generation config (read by assisted generation) for the block only."""
     gc = draft.generation_config

@@ -26,29 +26,14 @@ SAMPLE_TEMPERATURE = 0.7
 
 
 def _measure(target, draft, prompts, max_new_tokens, do_sample, config, only=None, seed=0):
-    """(tok/s over all prompts, last stats) of SSD calls restricted to option `only` (None: unrestricted)."""
+    """(tok/s over all prompts, last stats, outputs) of SSD calls restricted to option `only` (None: unrestricted);
+    with `config=None`, of the target alone (AR; stats None)."""
     hooks = {"options": lambda options: [o for o in options if o == only]} if only is not None else None
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
     if do_sample:
         kwargs["temperature"] = SAMPLE_TEMPERATURE
-    tokens, seconds, outputs = 0, 0.0, []
-    for ids in prompts:
-        input_ids = torch.tensor([ids], device=target.device)
-        torch.manual_seed(seed)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft,
-                                  ssd_config=config, _ssd_hooks=hooks, **kwargs)
-        seconds += time.perf_counter() - start
-        tokens += out.shape[1] - len(ids)
-        outputs.append(out[0, len(ids):].tolist())
-    return tokens / seconds if seconds > 0 else 0.0, last_stats(target), outputs
-
-
-def _measure_ar(target, prompts, max_new_tokens, do_sample, seed=0):
-    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
-    if do_sample:
-        kwargs["temperature"] = SAMPLE_TEMPERATURE
+    if config is not None:
+        kwargs.update(assistant_model=draft, ssd_config=config, _ssd_hooks=hooks)
     tokens, seconds, outputs = 0, 0.0, []
     for ids in prompts:
         input_ids = torch.tensor([ids], device=target.device)
@@ -59,7 +44,8 @@ def _measure_ar(target, prompts, max_new_tokens, do_sample, seed=0):
         seconds += time.perf_counter() - start
         tokens += out.shape[1] - len(ids)
         outputs.append(out[0, len(ids):].tolist())
-    return tokens / seconds if seconds > 0 else 0.0, outputs
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return rate, (last_stats(target) if config is not None else None), outputs
 
 
 def recommended_config(option: Option) -> dict:
@@ -89,7 +75,7 @@ def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, 
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that would skew the first option.
     _measure(target, draft, prompts[:1], min(8, max_new_tokens), do_sample, base)
     bar.update(1)
-    ar_rate, ar_out = _measure_ar(target, prompts, max_new_tokens, do_sample)
+    ar_rate, _, ar_out = _measure(target, draft, prompts, max_new_tokens, do_sample, None)
     rows = []
     identical = True
     for option in options:

@@ -9,7 +9,6 @@ character-level tokenizer, built offline in a second; for smoke tests only: its 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 from ..config import EVICTIONS, FALLBACKS, LAYOUTS, SSDConfig, SSDConfigError
@@ -356,18 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return command(args)
 
 
-@contextlib.contextmanager
 def _torch_threads(n: int | None):
-    """Set torch's intra-op threads for one command and restore them (main() also runs in-process)."""
-    if not n:
-        yield
-        return
-    import torch
+    """Torch's intra-op threads for one command, restored afterwards (main() also runs in-process)."""
+    from ..bench.runner import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return torch_threads(n)
 
