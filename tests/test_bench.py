@@ -62,7 +62,7 @@ def test_predicted_speedup_follows_the_paper_formula():
 
 def test_bench_methods_and_assistant_settings_restore():
     names = [m.name for m in bench_methods([2, 4, 6])]
-    assert names == ["ar", "assisted", "assisted_g2", "assisted_g4", "assisted_g6", "ssd_g2", "ssd_g4", "ssd_g6",
+    assert names == ["ar", "assisted", "assisted_g2", "assisted_g4", "assisted_g6", "ssd", "ssd_g2", "ssd_g4", "ssd_g6",
                      "ssd_g4_inline"]
 
     class GC:

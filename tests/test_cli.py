@@ -108,6 +108,14 @@ def test_every_option_shows_its_default(command):
             assert text, f"{command} {action.option_strings} has no help"
 
 
+def test_gamma_is_left_to_the_scheduler_unless_given():
+    parser = build_parser()
+    assert "gamma" not in ssd_options(parser.parse_args(["generate", "--tiny", "--prompt", "x"]))
+    given = ssd_options(parser.parse_args(["generate", "--tiny", "--prompt", "x", "--gamma", "3"]))
+    assert given["gamma"] == 3
+    assert ssd_options(parser.parse_args(["bench", "--schedule", "fixed"]))["schedule"] == "fixed"
+
+
 def test_generate_echoes_the_prompt_before_the_continuation(capsys):
     assert main(["generate", "--tiny", "--prompt", "def add(a, b):", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.startswith("def add(a, b):")

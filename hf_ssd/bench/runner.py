@@ -70,6 +70,7 @@ class Method:
 def bench_methods(gammas: list[int], inline_gamma: int | None = None) -> list[Method]:
     methods = [Method("ar", "ar"), Method("assisted", "assisted")]
     methods += [Method(f"assisted_g{g}", "assisted_tuned", g) for g in gammas]
+    methods.append(Method("ssd", "ssd", None, "auto"))  # SSDConfig() as it comes: the scheduler picks
     methods += [Method(f"ssd_g{g}", "ssd", g, "auto") for g in gammas]
     if inline_gamma is None:
         inline_gamma = 4 if 4 in gammas else gammas[len(gammas) // 2]
@@ -141,8 +142,9 @@ class Runner:
                                           assistant_confidence_threshold=0.0,
                                           num_assistant_tokens_schedule="constant")
         elif method.kind == "ssd":
-            options = {**self.ssd_options, "gamma": method.gamma, "layout": method.layout,
-                       "record_timeline": True, "hit_rate_warning": 0.0}
+            options = {**self.ssd_options, "layout": method.layout, "record_timeline": True, "hit_rate_warning": 0.0}
+            if method.gamma is not None:
+                options["gamma"] = method.gamma
             kwargs["ssd_config"] = SSDConfig(**options)
         torch.manual_seed(seed)  # same seed for every method: sampled runs differ only by the method
         with settings, torch.inference_mode():
@@ -625,12 +627,17 @@ def figures(results: dict) -> dict:
             ax.axhline(defaults[0], color="tab:grey", ls="--", lw=1.2, label="assisted (defaults)")
         best = max((r["speedup_vs_ar"] for r in sel if r["kind"].startswith("assisted") and r.get("speedup_vs_ar")),
                    default=None)
+        default_ssd = [r["speedup_vs_ar"] for r in sel if r["kind"] == "ssd" and r["gamma"] is None]
+        if default_ssd and default_ssd[0]:
+            ax.axhline(default_ssd[0], color="tab:orange", ls="-.", lw=1.5, label="SSD default (scheduled)")
         if best is not None:
             ax.axhline(best, color="tab:red", ls=":", lw=1.5, label="best assisted")
         ax.set_xticks([gi + width * (len(series) - 1) / 2 for gi in range(len(gammas))], [str(g) for g in gammas])
         ax.set_xlabel("gamma")
         ax.set_ylabel("speedup over AR")
-        ax.set_ylim(bottom=0)
+        # Lines (baselines) do not always widen the autoscaled range: fit every value drawn, from zero.
+        drawn = [1.0] + [r.get(k) or 0.0 for r in rows for k in ("speedup_vs_ar", "predicted_speedup")]
+        ax.set_ylim(0, 1.1 * max(drawn))
         ax.set_title(f"{d} · {m}")
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     fig.suptitle(size, fontsize=9)

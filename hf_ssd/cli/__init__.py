@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..config import EVICTIONS, FALLBACKS, LAYOUTS, SSDConfig, SSDConfigError
+from ..config import EVICTIONS, FALLBACKS, LAYOUTS, SCHEDULES, SSDConfig, SSDConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -54,12 +54,17 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
     d = SSDConfig()
     g = p.add_argument_group("SSD options (hf_ssd.SSDConfig)")
     if with_gamma:
-        g.add_argument("--gamma", type=int, default=d.gamma, help="draft tokens per round")
+        g.add_argument("--gamma", type=int, default=None,
+                       help=f"draft tokens per round (default: tuned by the scheduler from {d.gamma}; "
+                            f"{d.gamma} with --schedule fixed)")
     g.add_argument("--fanout", type=_fanout, default=d.fanout,
                    help="'geometric', 'calibrated' or gamma+1 comma-separated ints (bonus tokens pre-drafted per k)")
     g.add_argument("--fanout-budget", type=int, default=d.fanout_budget, help="predicted outcomes per round (default: chosen by placement)")
     g.add_argument("--max-outcomes", type=int, default=d.max_outcomes, help="outcome-space truncation (default: the fan-out budget)")
     g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache capacity")
+    g.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
+                   help="auto: each round runs the option with the best measured speed (SSD, plain SD or AR); "
+                        "fixed: always overlapped SSD")
     g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="speculation cache eviction policy")
     g.add_argument("--fallback", choices=FALLBACKS, default=d.fallback, help="what a cache miss does")
     g.add_argument("--fallback-gamma", type=int, default=d.fallback_gamma, help="draft length of the 'short' fallback (default: gamma // 2)")
@@ -84,8 +89,11 @@ def _tristate(text: str):
 def ssd_options(args) -> dict:
     """The SSDConfig fields given on the command line (gamma/layout only where the command has them)."""
     keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "eviction", "fallback", "fallback_gamma",
-            "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs"]
-    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+            "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs", "schedule"]
+    options = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    if options.get("gamma") is None:
+        options.pop("gamma", None)  # not given: SSDConfig's default, which the scheduler may tune
+    return options
 
 
 class HELP_FORMAT(argparse.ArgumentDefaultsHelpFormatter):
