@@ -87,7 +87,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
         # fanout="calibrated": P(accept | the draft's probability) learned from verifications, kept per draft.
-        self.calibration = calibration_for(draft_model, do_sample) if config.fanout == "calibrated" else None
+        self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
+                            if config.fanout == "calibrated" else None)
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline")
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
         self.round = 0

@@ -4,7 +4,9 @@ The geometric law (`fanout.py`) gives every drafted position the same acceptance
 confidence says more: a token it drafted with probability 0.98 is accepted far more often than one drafted at
 0.4. So P(accept at position j) is estimated as a function of q_j, the draft's probability of the token it
 drafted there, by a small histogram over q calibrated online from the verifications seen so far (each bin a
-Beta posterior around a prior in which the draft is calibrated, P(accept | q) = q). Then
+Beta posterior around the acceptance prior, the same for every q: until verifications say otherwise, the
+predictor ranks like the geometric law. A prior of P(accept | q) = q would be wrong for drafts whose
+distributions are flat but agree with the target). Then
 
     P(k accepted of g) = p_1 ... p_k (1 - p_{k+1})      (k < g),      p_1 ... p_g      (k = g)
 
@@ -35,11 +37,12 @@ TopProbs = tuple[torch.Tensor, torch.Tensor]
 class AcceptanceCalibration:
     """P(accepted | q) on `bins` equal-width bins of q in [0, 1], each a Beta(a, b) posterior.
 
-    The prior puts `prior_weight` pseudo-observations at the bin's centre (a calibrated draft); observations
-    decay by `decay` per verified round so that the estimate follows the text (code vs prose).
+    The prior puts `prior_weight` pseudo-observations at `prior` in every bin; observations decay by `decay`
+    per verified round so that the estimate follows the text (code vs prose).
     """
 
     bins: int = 10
+    prior: float = 0.7
     prior_weight: float = 2.0
     decay: float = 0.995
     accepted: list[float] = field(default_factory=list)
@@ -47,8 +50,7 @@ class AcceptanceCalibration:
 
     def __post_init__(self) -> None:
         if not self.accepted:
-            centres = [(i + 0.5) / self.bins for i in range(self.bins)]
-            self.accepted = [c * self.prior_weight for c in centres]
+            self.accepted = [self.prior * self.prior_weight] * self.bins
             self.tried = [self.prior_weight] * self.bins
         self._lock = threading.Lock()  # observed by the caller's thread, read by the speculator's
 
@@ -124,8 +126,11 @@ _carried: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _carried_lock = threading.Lock()
 
 
-def calibration_for(draft_model, do_sample: bool) -> AcceptanceCalibration:
-    """The calibration of this draft for greedy or sampled decoding (kept apart: acceptance differs)."""
+def calibration_for(draft_model, do_sample: bool, prior: float = 0.7) -> AcceptanceCalibration:
+    """The calibration of this draft for greedy or sampled decoding (kept apart: acceptance differs); `prior`
+    only applies to a draft seen for the first time."""
     with _carried_lock:
         per_model = _carried.setdefault(draft_model, {})
-        return per_model.setdefault(bool(do_sample), AcceptanceCalibration())
+        if bool(do_sample) not in per_model:
+            per_model[bool(do_sample)] = AcceptanceCalibration(prior=prior)
+        return per_model[bool(do_sample)]

@@ -236,7 +236,7 @@ def test_config_values_build_or_raise_ssd_config_error(fields):
         return
     config.validate()  # a config that built is valid, and stays valid when checked again
     assert isinstance(config.gamma, int) and 1 <= config.gamma <= 64
-    assert config.fanout == "geometric" or (len(config.fanout) == config.gamma + 1
+    assert config.fanout in ("geometric", "calibrated") or (len(config.fanout) == config.gamma + 1
                                             and all(isinstance(f, int) and f >= 0 for f in config.fanout))
     assert 1 <= config.effective_fallback_gamma <= config.gamma
     assert config.saguaro_c is None or 0.0 <= config.saguaro_c < 1.0

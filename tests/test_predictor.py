@@ -24,10 +24,10 @@ def test_length_probs_sum_to_one(ps):
     assert abs(sum(probs) - 1.0) < 1e-9 and all(p >= -1e-12 for p in probs)
 
 
-def test_prior_is_a_calibrated_draft():
-    cal = AcceptanceCalibration()
-    assert cal.p_accept(0.05) == pytest.approx(0.05)
-    assert cal.p_accept(0.97) == pytest.approx(0.95)
+def test_prior_is_the_acceptance_prior_for_every_q():
+    """Before any verification the calibrated predictor ranks like the geometric law."""
+    cal = AcceptanceCalibration(prior=0.6)
+    assert cal.p_accept(0.05) == pytest.approx(0.6) and cal.p_accept(0.97) == pytest.approx(0.6)
 
 
 def test_calibration_learns_a_miscalibrated_draft():
@@ -53,6 +53,8 @@ def test_drafted_probs_reads_the_drafted_token():
 
 def test_rank_outcomes_puts_budget_where_the_draft_is_unsure():
     cal = AcceptanceCalibration()
+    for _ in range(50):  # a draft whose confidence tells: sure tokens kept, unsure ones rejected
+        cal.observe([0.98, 0.4], 1)
     candidates = [7, 8, 9]
     tops = [
         _top([(0.98, 7), (0.01, 3), (0.01, 4)]),  # sure: a rejection here is unlikely
