@@ -41,7 +41,7 @@ class SSDConfig:
 
     Args:
         gamma: number of draft tokens proposed per round (the draft length).
-        fanout: `"calibrated"` (default; measured 1-17 points higher hit rate than "geometric" at equal budget on
+        fanout: `"calibrated"` (default; measured 1-16 points higher hit rate than "geometric" at equal budget on
             the default pair, docs/performance.md) or `"geometric"` to split `fanout_budget` across acceptance lengths k = 0..gamma in proportion to
             the probability of each k under the measured acceptance rate; `"calibrated"` to give the budget to
             the most likely outcomes overall, with P(accept) at each position learned online as a function of
