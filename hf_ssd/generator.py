@@ -69,9 +69,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         if default not in self.options:
             default = next((o for o in self.options if o.kind == "ssd"), self.options[0])
         # When sampling, the speculator draws from its own generator, seeded from the caller's RNG: draws on two
-        # threads never interleave on one generator. Seeded runs repeat exactly with layout="inline" and
-        # schedule="fixed"; otherwise timing decides what was pre-drafted and which option ran (the output
-        # distribution is exact either way). Greedy calls leave the caller's RNG alone.
+        # threads never interleave on one generator. Seeded runs repeat exactly with layout="inline",
+        # schedule="fixed" and fanout="geometric"; otherwise timing, or what the calibrated predictor learned in
+        # earlier calls, decides what was pre-drafted and which option ran (the output distribution is exact
+        # either way). Greedy calls leave the caller's RNG alone.
         gen = None
         if do_sample:
             gen = torch.Generator(device=draft_model.device)
