@@ -33,8 +33,10 @@ def prompt(seed: int, length: int = 6) -> torch.Tensor:
 
 
 def static_config(**kw) -> SSDConfig:
-    # schedule="fixed": the same options every run, so static and dynamic paths can be compared round by round.
-    return SSDConfig(**{"static_draft": True, "layout": "inline", "hit_rate_warning": 0.0, "schedule": "fixed", **kw})
+    # schedule="fixed" and fanout="geometric": the same options and predictions every run (no state carried
+    # from earlier calls), so static and dynamic paths can be compared round by round.
+    return SSDConfig(**{"static_draft": True, "layout": "inline", "hit_rate_warning": 0.0, "schedule": "fixed",
+                        "fanout": "geometric", **kw})
 
 
 # ----- the drafter alone: same candidates as the dynamic path ------------------------------------------------------
