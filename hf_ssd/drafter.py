@@ -171,13 +171,10 @@ class Drafter:
         Positions from `record_from` on (default: the last) get their top probabilities recorded, which the
         outcome prediction of the round reads.
         """
-        last = len(context) - 1
-        if self._last is not None and self._last[0] == len(context) and self.ids == context:
-            return self._last[1]
-        keep = min(common_prefix(self.ids, context), last)
-        self._crop(keep)
-        new = context[keep:]
-        first = max(keep, last if record_from is None else min(record_from, last))
+        plan = self._sync_plan(context, record_from)
+        if not isinstance(plan, tuple):
+            return plan  # already synced: the cached probabilities
+        keep, new, first = plan
         positions = self.view.positions(keep, len(context)).unsqueeze(0)
         mask = self.view.valid(len(context)).unsqueeze(0) if self.view.padded else None
         logits = self._forward(self._ids([new]), positions, self.cache, mask, keep_last=len(context) - first)[0]
@@ -188,6 +185,16 @@ class Drafter:
             self.top[pos] = self._top(probs)
         self._last = (len(context), probs)
         return probs
+
+    def _sync_plan(self, context: list[int], record_from: int | None):
+        """The cached probabilities if the trunk already holds `context`; else crop the trunk to what it shares
+        with `context` and return (kept length, tokens to feed, first position to record)."""
+        last = len(context) - 1
+        if self._last is not None and self._last[0] == len(context) and self.ids == context:
+            return self._last[1]
+        keep = min(common_prefix(self.ids, context), last)
+        self._crop(keep)
+        return keep, context[keep:], max(keep, last if record_from is None else min(record_from, last))
 
     def _probs_for(self, context: list[int], logits: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self._process(context, logits), dim=-1)

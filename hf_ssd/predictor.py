@@ -80,12 +80,13 @@ class AcceptanceCalibration:
 
 def drafted_probs(candidates: list[int], tops: list[TopProbs]) -> list[float]:
     """q_j: the draft's probability of each drafted token (0 when it fell outside the recorded top list)."""
-    qs = []
-    for j, token in enumerate(candidates):
-        values, ids = tops[j]
-        hit = (ids == token).nonzero()
-        qs.append(float(values[hit[0, 0]]) if hit.numel() else 0.0)
-    return qs
+    if not candidates:
+        return []
+    # One host transfer for all positions (the static path keeps its top lists on the device).
+    values = torch.stack([tops[j][0] for j in range(len(candidates))]).cpu()
+    ids = torch.stack([tops[j][1] for j in range(len(candidates))]).cpu()
+    match = ids == torch.tensor(candidates).unsqueeze(1)
+    return (values * match).sum(dim=1).tolist()
 
 
 def length_probs(p_accept: list[float]) -> list[float]:

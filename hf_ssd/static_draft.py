@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .drafter import BranchState, Drafter, DraftResult, common_prefix
+from .drafter import BranchState, Drafter, DraftResult
 from .graphs import GraphCaptureError, StepRunner, host_list, to_device, to_host
 from .outcomes import Outcome
 
@@ -387,13 +387,10 @@ class StaticDrafter(Drafter):
         return probs
 
     def sync(self, context: list[int], record_from: int | None = None) -> torch.Tensor:
-        last = len(context) - 1
-        if self._last is not None and self._last[0] == len(context) and self.ids == context:
-            return self._last[1]
-        keep = min(common_prefix(self.ids, context), last)
-        self._crop(keep)
-        new = context[keep:]
-        first = max(keep, last if record_from is None else min(record_from, last))
+        plan = self._sync_plan(context, record_from)
+        if not isinstance(plan, tuple):
+            return plan  # already synced: the cached probabilities
+        keep, new, first = plan
         if len(new) == 1:
             logits = self._trunk_step(keep, new[0])
         else:
