@@ -52,8 +52,15 @@ class SSDConfig:
             (each extra branch slows every draft step; measured best on the 2-core reference machine).
         max_outcomes: outcome-space truncation: keep at most this many most likely outcomes per round
             (`None`: the fan-out budget, or the sum of an explicit fan-out list).
-        cache_size: capacity of the speculation cache (entries); never exceeded.
-        eviction: `"lru"` (least recently used first) or `"probability"` (least likely outcome first).
+        cache_size: capacity of the speculation cache (entries); never exceeded. With `pipeline_depth` > 1 it also
+            bounds how many branches for later rounds are kept.
+        eviction: `"lru"` (least recently inserted or used first) or `"probability"` (least likely outcome chain
+            first) when the cache is full.
+        pipeline_depth: how many rounds ahead the speculator may pre-draft. 1: only branches for the outcome of
+            the round being verified. d > 1: once those are drafted and the outcome has not arrived, it predicts
+            the outcomes of the most likely branches and pre-drafts the round after (and so on to depth d); a hit
+            turns the branches under it into the next round's entries. Needs the dynamic draft path and an
+            overlapping layout: with `static_draft=None` a depth above 1 picks the dynamic path.
         fallback: what a cache miss does: `"sd"` drafts gamma tokens now, `"short"` drafts `fallback_gamma`
             tokens now, `"ar"` proposes nothing this round, `"ngram"` proposes a prompt-lookup continuation.
         fallback_gamma: draft length of the `"short"` fallback (default: gamma // 2, at least 1).
@@ -86,6 +93,7 @@ class SSDConfig:
     max_outcomes: int | None = None
     cache_size: int = 64
     eviction: Literal["lru", "probability"] = "probability"
+    pipeline_depth: int = 1
     fallback: Literal["sd", "short", "ar", "ngram"] = "sd"
     fallback_gamma: int | None = None
     ngram_size: int = 3
@@ -149,6 +157,7 @@ class SSDConfig:
             _check_int("max_outcomes", self.max_outcomes, 0, 4096)
         _check_int("cache_size", self.cache_size, 1)
         _check_choice("eviction", self.eviction, EVICTIONS)
+        _check_int("pipeline_depth", self.pipeline_depth, 1, 8)
         _check_choice("fallback", self.fallback, FALLBACKS)
         if self.fallback_gamma is not None:
             _check_int("fallback_gamma", self.fallback_gamma, 1, self.gamma)
@@ -176,6 +185,15 @@ class SSDConfig:
             raise SSDConfigError("SSDConfig.cuda_graphs=True needs the static draft path: CUDA graphs replay fixed "
                                  "shapes. Remove static_draft=False (or set cuda_graphs=False).")
         _check_choice("schedule", self.schedule, SCHEDULES)
+        if self.pipeline_depth > 1:
+            if self.layout == "inline":
+                raise SSDConfigError("SSDConfig.pipeline_depth > 1 needs an overlapping layout: with layout='inline' "
+                                     "every level would run on the critical path. Use pipeline_depth=1 or another "
+                                     "layout.")
+            if self.static_draft is True or self.cuda_graphs is True:
+                raise SSDConfigError("SSDConfig.pipeline_depth > 1 needs the dynamic draft path (the static path's "
+                                     "buffers hold one round of branches). Remove static_draft=True / "
+                                     "cuda_graphs=True, or use pipeline_depth=1.")
 
     def resolved_budget(self, on_gpu: bool) -> tuple[int, int]:
         """(fan-out budget, max outcomes) with the `None` defaults filled in for this placement."""
@@ -189,7 +207,10 @@ class SSDConfig:
 
     def resolved_draft_path(self, draft_on_cuda: bool) -> tuple[bool, bool]:
         """(static draft path, CUDA graphs) with the `None` defaults filled in for where the draft runs."""
-        static = self.static_draft if self.static_draft is not None else (self.cuda_graphs is True or draft_on_cuda)
+        if self.static_draft is not None:
+            static = self.static_draft
+        else:  # pipeline_depth > 1 asks for trees the static buffers cannot hold
+            static = self.cuda_graphs is True or (draft_on_cuda and self.pipeline_depth == 1)
         return static, static and draft_on_cuda and self.cuda_graphs is not False
 
     @property

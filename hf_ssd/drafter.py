@@ -1,12 +1,14 @@
 """The draft side: one draft KV cache (the trunk), sequential drafting, and batched tree pre-drafting.
 
 The trunk cache holds the draft's keys/values for `ids`. Pre-drafting for several outcomes runs all branches in
-one batch: row r holds the trunk's first L0 + k_r columns (context + the candidates branch r accepts),
-right-aligned behind g - k_r masked columns, so a 2D padding mask hides what a branch assumes rejected and one
-draft forward per step serves every branch. Left padding is what every decoder-only model supports: the model
-builds its own causal, sliding-window or ALiBi attention from the 2D mask and the position ids, exactly as for a
-padded batch, so no 4D mask is needed (ALiBi models take none). Adopting a branch after a hit slices its valid
-columns back into a single-row cache, so the next round starts where it left off.
+one batch: row r holds the keys/values of its prefix (for the round in flight: context + the candidates branch r
+accepts), right-aligned behind masked filler columns, so a 2D padding mask hides what a branch assumes rejected
+and one draft forward per step serves every branch. Left padding is what every decoder-only model supports: the
+model builds its own causal, sliding-window or ALiBi attention from the 2D mask and the position ids, exactly as
+for a padded batch, so no 4D mask is needed (ALiBi models take none). A deeper tree (`fork_tree`: branches for the
+round after, under a branch still unverified) is built the same way from the rows of the tree before it.
+Adopting a branch after a hit slices its valid columns back into a single-row cache, so the next round starts
+where it left off.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .outcomes import Outcome
 TopProbs = tuple[torch.Tensor, torch.Tensor]  # (probabilities, token ids), most likely first
 
 
-__all__ = ["BranchState", "DraftResult", "Drafter", "TreeBatch", "UnsupportedDraftError"]
+__all__ = ["BranchState", "DraftResult", "Drafter", "TreeBatch", "Unfinished", "UnsupportedDraftError"]
 
 
 @dataclass
@@ -35,15 +37,30 @@ class DraftResult:
 
 @dataclass
 class TreeBatch:
-    """Shared state of one batched pre-draft: the batched cache and the geometry of its rows."""
+    """Shared state of one batched pre-draft: the batched cache and the geometry of its rows.
+
+    Row r's sequence starts at column offsets[r] and is contiguous: its prefix (the ids before its bonus), then
+    the tokens fed before this batch (`pre[r]`: a branch an earlier job left unfinished), then those fed here,
+    from column `width` on. `prefix_top[r]` holds the draft's top lists for positions before len(prefix[r]) (a
+    shared dict: entries at later positions are ignored).
+    """
 
     cache: DynamicCache
-    context_len: int  # L0: tokens before the candidates
-    trunk_len: int  # L0 + g: columns copied from the trunk
-    trunk_ids: list[int]
-    trunk_top: dict[int, TopProbs]
-    offsets: list[int]  # row r's masked left columns: g - k_r
+    width: int  # columns before this batch's first step
+    prefix: list[list[int]]
+    prefix_top: list[dict[int, TopProbs]]
+    offsets: list[int]  # row r's masked left columns
     mask: torch.Tensor  # [rows, columns so far] long, 1 = attended
+    pre: list[Unfinished | None] = field(default_factory=list)
+
+
+@dataclass
+class Unfinished:
+    """Where a branch cut short by an earlier outcome's arrival stopped: its state and drafted tokens."""
+
+    state: BranchState
+    tokens: list[int]
+    logits: torch.Tensor | None
 
 
 @dataclass
@@ -53,6 +70,15 @@ class BranchState:
     outcome: Outcome
     top: dict[int, TopProbs] = field(default_factory=dict)
     fed: int = 0  # tokens fed into this row so far: the bonus, then the drafted tokens
+
+    @property
+    def start(self) -> int:
+        """Sequence index of the row's bonus token."""
+        return len(self.batch.prefix[self.row])
+
+    def tops(self, n: int) -> list[TopProbs]:
+        """Top lists predicting the row's drafted tokens 1..n and the token after them (n < fed)."""
+        return [self.top[self.start + j] for j in range(n + 1)]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -224,21 +250,76 @@ class Drafter:
         return [self.top[context_len - 1 + j] for j in range(n + 1)]
 
     # ----- batched pre-drafting ---------------------------------------------------------------------------
-    def start_tree(self, context_len: int, outcomes: list[Outcome]) -> TreeBatch:
+    supports_depth = True  # fork_tree and unfinished rows (the static path's tree buffers hold one round)
+
+    def _gather(self, rows: list[tuple[object, torch.Tensor, int, int, int]]):
+        """A batched cache whose row i holds `length_i` sequence positions of a source row, right-aligned.
+
+        Each row is (source cache, source mask [rows, cols], source row, source column of sequence index 0,
+        length). Returns (cache, mask, width, offsets).
+        """
+        width = max(n for *_, n in rows)
+        offsets = [width - n for *_, n in rows]
+        cols = torch.arange(width, device=self.device)
+        groups: dict[int, list[int]] = {}  # rows by source, so that each gather reads one batched cache
+        for i, row in enumerate(rows):
+            groups.setdefault(id(row[0]), []).append(i)
+        order = [i for members in groups.values() for i in members]
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        masks = []
+        for members in groups.values():
+            cache, mask = rows[members[0]][0], rows[members[0]][1]
+            src = torch.tensor([rows[i][2] for i in members], device=self.device).unsqueeze(1)
+            # Column c of row i holds the source row's sequence index c - offsets[i].
+            seq = cols.unsqueeze(0) - torch.tensor([offsets[i] for i in members], device=self.device).unsqueeze(1)
+            index = (seq + torch.tensor([rows[i][3] for i in members], device=self.device).unsqueeze(1)).clamp(min=0)
+            masks.append(mask[src, index] * (seq >= 0))
+            for li, layer in enumerate(cache.layers):
+                if holds_tensors(layer):  # [rows, heads, columns, dim] -> [members, heads, width, dim]
+                    parts.setdefault(li, []).append((layer.keys[src, :, index].transpose(1, 2),
+                                                     layer.values[src, :, index].transpose(1, 2)))
+        back = torch.tensor([order.index(i) for i in range(len(rows))], device=self.device)
+        out = self._new_cache()
+        for li, kv in parts.items():
+            out.update(torch.cat([k for k, _ in kv])[back], torch.cat([v for _, v in kv])[back], li)
+        return out, torch.cat(masks)[back], width, offsets
+
+    def start_tree(self, context_len: int, outcomes: list[Outcome], unfinished: list[Unfinished] = ()) -> TreeBatch:
+        """Rows for the outcomes of the round in flight: row r starts from the trunk's first L0 + k_r columns.
+
+        `unfinished` rows come after them: branches for outcomes of this round that a deeper level of the
+        previous job began; they go on from where they stopped.
+        """
         T = len(self.ids)
-        g = T - context_len
-        offsets = [g - o.accepted for o in outcomes]
-        # Row r: g - k_r filler columns (a copy of column 0, masked), then trunk columns [0, L0 + k_r).
-        shifted = torch.arange(T, device=self.device) - torch.tensor(offsets, device=self.device).unsqueeze(1)
-        index = shifted.clamp(min=0)
-        mask = self.view.valid(T)[index] * (shifted >= 0)
-        cache = self._new_cache()
-        for i, layer in enumerate(self.cache.layers):
-            if not holds_tensors(layer):
-                continue
-            k, v = layer.keys[0], layer.values[0]  # [heads, T, dim]
-            cache.update(k[:, index].transpose(0, 1), v[:, index].transpose(0, 1), i)
-        return TreeBatch(cache, context_len, T, list(self.ids), dict(self.top), offsets, mask)
+        trunk_mask = self.view.valid(T).unsqueeze(0)
+        rows = [(self.cache, trunk_mask, 0, 0, context_len + o.accepted) for o in outcomes]
+        for u in unfinished:
+            b = u.state.batch
+            rows.append((b.cache, b.mask, u.state.row, b.offsets[u.state.row], u.state.start + u.state.fed))
+        cache, mask, width, offsets = self._gather(rows)
+        ids, top = list(self.ids), dict(self.top)
+        prefix = [ids[: context_len + o.accepted] for o in outcomes]
+        prefix += [u.state.batch.prefix[u.state.row] for u in unfinished]
+        tops = [top] * len(outcomes) + [u.state.batch.prefix_top[u.state.row] for u in unfinished]
+        return TreeBatch(cache, width, prefix, tops, offsets, mask, [None] * len(outcomes) + list(unfinished))
+
+    def fork_tree(self, children: list[tuple[BranchState, list[int], Outcome]]) -> TreeBatch:
+        """Rows for outcomes of the round after: child (parent, parent_tokens, (k, bonus)) assumes the parent's
+        branch is the next round's candidates and that its verification accepts k of them, then `bonus`.
+
+        The child's prefix is the parent's prefix, its bonus and its first k drafted tokens, all already in the
+        parent's row (k < parent.fed); those columns are gathered into a new batched cache.
+        """
+        rows = [(p.batch.cache, p.batch.mask, p.row, p.batch.offsets[p.row], p.start + 1 + o.accepted)
+                for p, _, o in children]
+        cache, mask, width, offsets = self._gather(rows)
+        prefix, tops = [], []
+        for p, tokens, o in children:
+            prefix.append(p.batch.prefix[p.row] + [p.outcome.bonus] + tokens[: o.accepted])
+            top = {q: t for q, t in p.batch.prefix_top[p.row].items() if q < p.start}
+            top.update({q: t for q, t in p.top.items() if q <= p.start + o.accepted})
+            tops.append(top)
+        return TreeBatch(cache, width, prefix, tops, offsets, mask, [None] * len(children))
 
     def tree_steps(
         self,
@@ -252,31 +333,50 @@ class Drafter:
         """Draft up to gamma tokens for every outcome, one batched forward per token, stopping early on request.
 
         A last step feeds the gamma-th token too: it costs nothing on the critical path and gives the draft's
-        distribution after the branch, which the next round's outcome prediction needs.
+        distribution after the branch, which the next round's outcome prediction needs. Rows that are done
+        before the others (unfinished rows started ahead) feed a filler token their state never reads.
         """
         b = len(outcomes)
-        L0 = tree.context_len
-        # Position id of each row's next token (its bonus first): sequence index L0 + k_r less the masked columns.
-        starts = torch.tensor([L0 + o.accepted for o in outcomes], device=self.device) - self.view.shift()
-        contexts = [tree.trunk_ids[: L0 + o.accepted] + [o.bonus] for o in outcomes]
-        states = [BranchState(tree, r, o) for r, o in enumerate(outcomes)]
-        results = [DraftResult([], None) for _ in outcomes]
-        rows: list[list[torch.Tensor]] = [[] for _ in outcomes]
-        feed = self._ids([[o.bonus] for o in outcomes])
-        for j in range(gamma + 1):
+        pre = tree.pre or [None] * b
+        states, results, rows, contexts, fed0 = [], [], [], [], []
+        for r, o in enumerate(outcomes):
+            u = pre[r]
+            state = BranchState(tree, r, o)
+            if u is None:
+                results.append(DraftResult([], None))
+                rows.append([])
+                fed0.append(0)
+            else:  # goes on from the earlier state: its top lists, fed tokens and the token it drafted last
+                state.top = dict(u.state.top)
+                state.fed = u.state.fed
+                results.append(DraftResult(list(u.tokens), None))
+                rows.append(list(u.logits) if u.logits is not None else [])
+                fed0.append(u.state.fed)
+            states.append(state)
+            contexts.append(tree.prefix[r] + [o.bonus] + results[r].tokens)
+        seq_next = [len(p) + f for p, f in zip(tree.prefix, fed0)]  # sequence index of each row's next feed
+        # Position ids: sequence index less the masked prompt columns.
+        starts = torch.tensor(seq_next, device=self.device) - self.view.shift()
+        feed = self._ids([[c[-1]] for c in contexts])
+        for j in range(max(gamma + 1 - f for f in fed0)):
             if should_stop():
                 break
             tree.mask = torch.cat([tree.mask, tree.mask.new_ones(b, 1)], dim=1)
             logits = self._forward(feed, (starts + j).unsqueeze(1), tree.cache, tree.mask)
             nxt = []
             for r in range(b):
-                probs = self._probs_for(contexts[r], logits[r, -1])
-                states[r].top[L0 + outcomes[r].accepted + j] = self._top(probs)
-                states[r].fed = j + 1
-                if j == gamma:
+                if states[r].fed >= gamma + 1:  # done: a filler feed, nothing recorded
+                    nxt.append(contexts[r][-1])
                     continue
-                token, logq = self._choose(probs, fanout[j] if j < len(fanout) else 0)
-                results[r].tokens.append(token)
+                probs = self._probs_for(contexts[r], logits[r, -1])
+                states[r].top[seq_next[r] + j] = self._top(probs)
+                states[r].fed += 1
+                tokens = results[r].tokens
+                if len(tokens) >= gamma:
+                    nxt.append(contexts[r][-1])
+                    continue
+                token, logq = self._choose(probs, fanout[len(tokens)] if len(tokens) < len(fanout) else 0)
+                tokens.append(token)
                 if logq is not None:
                     rows[r].append(logq)
                 contexts[r].append(token)
@@ -290,23 +390,24 @@ class Drafter:
         return list(zip(states, results))
 
     def adopt(self, state: BranchState, tokens: list[int]) -> None:
-        """Make the trunk the branch's cache: the trunk up to its accepted tokens, then bonus + drafts.
+        """Make the trunk the branch's cache: the row's prefix, then bonus + drafts.
 
         `tokens` are the candidates taken from the branch; of the fed columns, those up to the last
         candidate are kept.
         """
         tree, r, o = state.batch, state.row, state.outcome
-        keep = tree.context_len + o.accepted
+        keep = state.start
         fed = min(state.fed, len(tokens) + 1)
         cache = self._new_cache()
-        # The row's valid columns are contiguous: trunk[:keep] right-aligned, then the fed tokens.
-        lo, hi = tree.offsets[r], tree.trunk_len + fed
+        # The row's valid columns are contiguous: its prefix right-aligned, then the fed tokens.
+        lo = tree.offsets[r]
+        hi = lo + keep + fed
         for i, layer in enumerate(tree.cache.layers):
             if not holds_tensors(layer):
                 continue
             cache.update(layer.keys[r : r + 1, :, lo:hi].clone(), layer.values[r : r + 1, :, lo:hi].clone(), i)
         self.cache = cache
-        self.ids = tree.trunk_ids[:keep] + [o.bonus] + tokens[: fed - 1]
-        self.top = {p: t for p, t in tree.trunk_top.items() if p < keep}
+        self.ids = tree.prefix[r] + [o.bonus] + tokens[: fed - 1]
+        self.top = {p: t for p, t in tree.prefix_top[r].items() if p < keep}
         self.top.update({p: state.top[p] for p in range(keep, keep + fed)})
         self._last = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -25,14 +26,26 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .cache import Branch, SpeculationCache
 from .config import SSDConfig
 from .costs import CostModel
+from .drafter import Unfinished
 from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
-from .outcomes import predict_outcomes
+from .outcomes import Outcome, predict_outcomes
 from .predictor import calibration_for, drafted_probs, rank_outcomes
 from .schedule import Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
 from .stats import SSDStats
+
+
+@dataclass
+class _Parent:
+    """A drafted branch that deeper levels may pre-draft under: its chain of outcomes and probability."""
+
+    state: object
+    tokens: list[int]
+    prob: float
+    head: tuple[int, int]  # the outcome of the round in flight it assumes
+    rest: tuple[tuple[int, int, float], ...]  # the deeper outcomes (k, bonus, probability given the ones before)
 
 
 class SSDCandidateGenerator(CandidateGenerator):
@@ -83,6 +96,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.drafter = make_drafter(draft_model, config, logits_processor, do_sample, top_k, gen, out_vocab,
                                     self.max_length, max(1, rows), prompt_mask)
         self.cache = SpeculationCache(config.cache_size, config.eviction)
+        # Inline, a job runs to its end on the critical path, so deeper levels would only add to it.
+        self.depth = config.pipeline_depth if layout != "inline" and getattr(self.drafter, "supports_depth", False) else 1
         self.acceptance = AcceptanceTracker(config.initial_acceptance)
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
@@ -146,7 +161,12 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self._measure_outcome()
                 if job_budget is not None:
                     k, bonus = self._outcome
+                    predicted = self.cache.hit_mass(self.round)
                     branch = self.cache.get(self.round, k, bonus)
+                    if n > 0:
+                        self.stats.add_lookup(predicted, branch is not None and bool(branch.tokens))
+                        if branch is not None and branch.tokens:  # the branches under it: next round's entries
+                            self.stats.promoted += self.cache.promote(self.round, k, bonus)
         alpha = self.acceptance.rate
         event = {"round": self.round + 1, "t_request": now, "option": option.name}
         draft_seconds = 0.0
@@ -159,6 +179,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.drafter.adopt(branch.state, tokens)
             self.stats.cache_hits += 1
             self.stats.partial_hits += int(len(branch.tokens) < gamma)
+            self.stats.hits_by_depth[branch.depth] = self.stats.hits_by_depth.get(branch.depth, 0) + 1
             self.costs.add_lookup(job_budget, True, self._job_predicted)
             event["hit"] = True
         else:
@@ -278,6 +299,32 @@ class SSDCandidateGenerator(CandidateGenerator):
                 return tokens[: i + 1], (logits[: i + 1] if logits is not None else None)
         return tokens, logits
 
+    def _insert(self, branch: Branch) -> None:
+        self.cache.put(branch)
+        self.stats.branches_drafted += 1
+        self.stats.branches_by_depth[branch.depth] = self.stats.branches_by_depth.get(branch.depth, 0) + 1
+
+    def _children(self, level: list[_Parent], alpha: float, width: int) -> list[tuple[float, _Parent, Outcome]]:
+        """The `width` likeliest outcomes of the round after, over every fully drafted branch of `level`: a
+        parent's tokens are taken as that round's candidates, and its own top lists predict their verification.
+        Ranked by the probability of the whole chain (parent's times the child's given the parent)."""
+        scored = []
+        for parent in level:
+            g = len(parent.tokens)
+            if parent.state.fed < g + 1 or any(t in self.eos for t in parent.tokens):
+                continue  # cut short by the outcome's arrival, or ends the generation
+            tops = parent.state.tops(g)
+            if self.calibration is not None:
+                outcomes = rank_outcomes(parent.tokens, tops, self.calibration, width)
+            else:
+                outcomes = predict_outcomes(parent.tokens, tops, geometric_fanout(width, alpha, g), alpha, width)
+            start = parent.state.start
+            scored += [(parent.prob * o.prob, parent, o) for o in outcomes
+                       if o.bonus not in self.eos and start + o.accepted + 3 < self.max_length]
+        scored.sort(key=lambda c: -c[0])
+        self.stats.outcomes_predicted += min(width, len(scored))
+        return scored[:width]
+
     def _submit(self, context: list[int], candidates: list[int], alpha: float, option: Option) -> None:
         round_id = self.round
         g = len(candidates)
@@ -301,8 +348,14 @@ class SSDCandidateGenerator(CandidateGenerator):
             self.drafter.record(context + candidates, record_from=len(context) - 1)
             tops = self.drafter.candidate_tops(len(context), g)
             info["tops"], info["record_s"] = tops, time.perf_counter() - t0
+            # Branches a deeper level of the previous job drafted for this round (promoted on its hit) are extra:
+            # the budget goes to the likeliest outcomes not held yet.
+            extra = self.cache.held(round_id)
             if self.calibration is not None:  # ranked overall by P(k) * P(bonus | k), not split per k first
-                outcomes = rank_outcomes(candidates, tops, self.calibration, min(budget, limit))
+                outcomes = rank_outcomes(candidates, tops, self.calibration, min(budget, limit) + extra)
+            elif extra:
+                outcomes = predict_outcomes(candidates, tops, self._fanout(budget + extra, g, alpha), alpha,
+                                            limit + extra)
             else:
                 outcomes = predict_outcomes(candidates, tops, fanout, alpha, limit)
             # Outcomes that end the generation (EOS bonus, length budget spent) need no next round.
@@ -310,33 +363,80 @@ class SSDCandidateGenerator(CandidateGenerator):
                 o for o in outcomes if o.bonus not in self.eos and len(context) + o.accepted + 2 < self.max_length
             ]
             self.stats.outcomes_predicted += len(outcomes)
+            # Outcomes a deeper level of an earlier job already drafted in full (promoted on its hit) stay as
+            # they are; they take this job's estimate of their probability.
+            held, todo, unfinished = [], [], []
+            for o in outcomes:
+                branch = self.cache.peek(round_id, o.accepted, o.bonus)
+                if branch is not None and len(branch.tokens) >= gamma:
+                    branch.prob = o.prob
+                    held.append(_Parent(branch.state, branch.tokens, o.prob, (o.accepted, o.bonus), branch.rest))
+                elif branch is not None and branch.tokens and branch.state.fed <= len(branch.tokens):
+                    # Begun by a deeper level and cut short by the outcome's arrival: it goes on from there.
+                    unfinished.append((o, Unfinished(branch.state, branch.tokens, branch.logits)))
+                elif len(todo) < min(budget, limit):
+                    todo.append(o)
             if not outcomes:
                 return
-            # 2. Tree drafting: one batched draft forward per step for all branches, until the outcome arrives.
-            self._hook("draft")
-            tree = self.drafter.start_tree(len(context), outcomes)
             steps, last = [], [time.perf_counter()]
 
             def on_step(j):  # the job's own step timings, read by the caller after collect
                 t = time.perf_counter()
-                steps.append((len(outcomes), t - last[0]))
+                steps.append((width[0], t - last[0]))
                 last[0] = t
 
-            def stop():
+            rows = todo + [o for o, _ in unfinished]
+            width = [len(rows)]
+            level = list(held)
+            if rows:
+                # 2. Tree drafting: one batched draft forward per step for all branches, until the outcome arrives.
+                self._hook("draft")
+                if unfinished:
+                    tree = self.drafter.start_tree(len(context), todo, [u for _, u in unfinished])
+                else:
+                    tree = self.drafter.start_tree(len(context), todo)
+
+                def stop():
+                    if should_stop():
+                        return True
+                    late = deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
+                    return len(steps) == gamma and late
+
+                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step)
+                # 3. Cache insert.
+                self._hook("insert")
+                for r, (state, result) in enumerate(drafted):
+                    if result.tokens:
+                        o = state.outcome
+                        depth = 2 if r >= len(todo) else 1  # unfinished rows were begun a round ahead
+                        self._insert(Branch(round_id, o.accepted, o.bonus, o.prob, result.tokens, result.logits, state,
+                                            depth=depth))
+                        level.append(_Parent(state, result.tokens, o.prob, (o.accepted, o.bonus), ()))
+            # 4. Deeper levels while the outcome has not arrived: the round after, under the likeliest branches.
+            # A step that would still run when the outcome is expected is not started: the caller would wait for
+            # it, and a deeper branch is worth less than the round it would delay.
+            def deeper_stop():
                 if should_stop():
                     return True
-                late = deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
-                return len(steps) == gamma and late
+                return deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
 
-            drafted = self.drafter.tree_steps(tree, outcomes, gamma, next_fanout, stop, on_step)
+            for _ in range(1, self.depth):
+                if should_stop():
+                    break
+                children = self._children(level, alpha, min(budget, limit))
+                if not children:
+                    break
+                width[0], last[0] = len(children), time.perf_counter()
+                tree = self.drafter.fork_tree([(p.state, p.tokens, o) for _, p, o in children])
+                drafted = self.drafter.tree_steps(tree, [o for _, _, o in children], gamma, next_fanout,
+                                                  deeper_stop, on_step)
+                level = []
+                for (prob, parent, o), (state, result) in zip(children, drafted):
+                    if result.tokens:
+                        rest = parent.rest + ((o.accepted, o.bonus, o.prob),)
+                        self._insert(Branch(round_id, *parent.head, prob, result.tokens, result.logits, state, rest))
+                        level.append(_Parent(state, result.tokens, prob, parent.head, rest))
             info["steps"] = steps
-            # 3. Cache insert.
-            self._hook("insert")
-            for state, result in drafted:
-                if result.tokens:
-                    o = state.outcome
-                    self.cache.put(Branch(round_id, o.accepted, o.bonus, o.prob, result.tokens, result.logits, state))
-                    self.stats.branches_drafted += 1
 
         self.speculator.submit(job)
 
@@ -347,6 +447,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.speculator.close()
         getattr(self.drafter, "release", lambda: None)()  # static buffers go back for the next call
         self.stats.evictions = self.cache.evictions
+        self.stats.evictions_by_depth = dict(self.cache.evicted_by_depth)
+        self.stats.pipeline_depth = self.depth
         self.stats.draft_forwards = self.drafter.forwards
         budgets = sorted({o.budget for o in self.options if o.kind == "ssd"})
         self.stats.cost_model = self.costs.snapshot(self.scheduler.default.gamma, budgets)

@@ -276,6 +276,8 @@ class StaticDrafter(Drafter):
                 self.release()
                 raise
 
+    supports_depth = False  # its tree buffers hold one round's rows: pipeline depth 1
+
     @property
     def path(self) -> str:
         return "static+graphs" if self.state.trunk_step.captured else "static"  # a failed capture runs eager

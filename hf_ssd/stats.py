@@ -48,6 +48,17 @@ class SSDStats:
     outcomes_predicted: int = 0
     branches_drafted: int = 0
     evictions: int = 0
+    # Pipeline depth: branches drafted, hits served and evictions by how many rounds ahead the branch was drafted
+    # (1: for the round being verified), and branches carried into the next round by a hit above them.
+    pipeline_depth: int = 1
+    branches_by_depth: dict = field(default_factory=dict)
+    hits_by_depth: dict = field(default_factory=dict)
+    evictions_by_depth: dict = field(default_factory=dict)
+    promoted: int = 0
+    # Calibration of the outcome predictor: per lookup, the predicted probability that the cache holds the real
+    # outcome (the summed probabilities of that round's entries), binned, against how often it did.
+    predicted_hits: float = 0.0
+    hit_calibration_bins: dict = field(default_factory=dict)  # bin (0..4, by predicted probability) -> [n, predicted sum, hits]
     wall_time: float = 0.0
     verify_time: float = 0.0
     speculate_time: float = 0.0
@@ -81,6 +92,24 @@ class SSDStats:
     @property
     def hit_rate(self) -> float:
         return self.cache_hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def predicted_hit_rate(self) -> float:
+        """Mean predicted hit probability over lookups (compare `hit_rate`)."""
+        return self.predicted_hits / self.lookups if self.lookups else 0.0
+
+    def add_lookup(self, predicted: float, hit: bool) -> None:
+        predicted = min(1.0, max(0.0, predicted))
+        self.predicted_hits += predicted
+        entry = self.hit_calibration_bins.setdefault(min(4, int(predicted * 5)), [0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += predicted
+        entry[2] += int(hit)
+
+    def hit_calibration(self) -> list[dict]:
+        """Per bin of predicted hit probability: lookups, mean predicted, observed hit rate."""
+        return [{"bin": f"{b / 5:.1f}-{(b + 1) / 5:.1f}", "lookups": n, "predicted": p / n, "observed": h / n}
+                for b, (n, p, h) in sorted(self.hit_calibration_bins.items())]
 
     @property
     def bubble_ratio(self) -> float:
@@ -129,14 +158,22 @@ class SSDStats:
         d.pop("timeline")
         d.pop("intervals")
         for name in ("acceptance_rate", "mean_accepted_length", "hit_rate", "bubble_ratio", "tokens_per_second",
-                     "predicted_tokens_per_second"):
+                     "predicted_tokens_per_second", "predicted_hit_rate"):
             d[name] = getattr(self, name)
+        d["hit_calibration"] = self.hit_calibration()
         return d
+
+    def _depth_summary(self) -> str:
+        if self.pipeline_depth <= 1:
+            return ""
+        hits = ", ".join(f"d{d}: {n}" for d, n in sorted(self.hits_by_depth.items()))
+        return f" | depth {self.pipeline_depth}: hits by depth {hits or 'none'}, {self.evictions} evictions"
 
     def summary(self) -> str:
         return (
             f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.2f} tok/s) | "
             f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
-            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}) | bubble ratio {self.bubble_ratio:.1%} | "
+            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted {self.predicted_hit_rate:.1%})"
+            f"{self._depth_summary()} | bubble ratio {self.bubble_ratio:.1%} | "
             f"{self.schedule_summary()}"
         )

@@ -65,6 +65,8 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
     g.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
                    help="auto: each round runs the option with the best measured speed (SSD, plain SD or AR); "
                         "fixed: always overlapped SSD")
+    g.add_argument("--pipeline-depth", type=int, default=d.pipeline_depth,
+                   help="rounds the speculator may pre-draft ahead (1: only the round being verified)")
     g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="speculation cache eviction policy")
     g.add_argument("--fallback", choices=FALLBACKS, default=d.fallback, help="what a cache miss does")
     g.add_argument("--fallback-gamma", type=int, default=d.fallback_gamma, help="draft length of the 'short' fallback (default: gamma // 2)")
@@ -88,7 +90,7 @@ def _tristate(text: str):
 
 def ssd_options(args) -> dict:
     """The SSDConfig fields given on the command line (gamma/layout only where the command has them)."""
-    keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "eviction", "fallback", "fallback_gamma",
+    keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "pipeline_depth", "eviction", "fallback", "fallback_gamma",
             "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs", "schedule"]
     options = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     if options.get("gamma") is None:
