@@ -111,6 +111,9 @@ class SpeculationCache:
         """Like `get`, without counting as a use (the speculator checking what is already drafted)."""
         return self._entries.get((round_id, (accepted, bonus)))
 
+    def has(self, key: Key) -> bool:
+        return key in self._entries
+
     def held(self, round_id: int) -> int:
         """How many one-round entries round `round_id` has already (promoted from deeper levels)."""
         return sum(1 for k in self._entries if k[0] == round_id and len(k) == 2)

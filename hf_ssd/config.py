@@ -51,7 +51,8 @@ class SSDConfig:
             picks by layout: 8 where the speculator has a GPU (batched branches are nearly free there), 1 on CPU
             (each extra branch slows every draft step; measured best on the 2-core reference machine).
         max_outcomes: outcome-space truncation: keep at most this many most likely outcomes per round
-            (`None`: the fan-out budget, or the sum of an explicit fan-out list).
+            (`None`: the fan-out budget, or the sum of an explicit fan-out list). With `pipeline_depth` > 1 this
+            bounds each level of a job; branches promoted from the previous job's deeper levels come on top.
         cache_size: capacity of the speculation cache (entries); never exceeded. With `pipeline_depth` > 1 it also
             bounds how many branches for later rounds are kept.
         eviction: `"lru"` (least recently inserted or used first) or `"probability"` (least likely outcome chain

@@ -252,13 +252,13 @@ class Drafter:
     # ----- batched pre-drafting ---------------------------------------------------------------------------
     supports_depth = True  # fork_tree and unfinished rows (the static path's tree buffers hold one round)
 
-    def _gather(self, rows: list[tuple[object, torch.Tensor, int, int, int]]):
+    def _gather(self, rows: list[tuple[object, torch.Tensor, int, int, int]], width: int | None = None):
         """A batched cache whose row i holds `length_i` sequence positions of a source row, right-aligned.
 
         Each row is (source cache, source mask [rows, cols], source row, source column of sequence index 0,
-        length). Returns (cache, mask, width, offsets).
+        length), right-aligned to `width` columns (default: the longest). Returns (cache, mask, width, offsets).
         """
-        width = max(n for *_, n in rows)
+        width = width or max(n for *_, n in rows)
         offsets = [width - n for *_, n in rows]
         cols = torch.arange(width, device=self.device)
         groups: dict[int, list[int]] = {}  # rows by source, so that each gather reads one batched cache
@@ -329,65 +329,91 @@ class Drafter:
         fanout: list[int],
         should_stop: Callable[[], bool],
         on_step: Callable[[int], None] | None = None,
+        grow: Callable[[list[BranchState], list[DraftResult]], list[tuple[int, Outcome]]] | None = None,
     ) -> list[tuple[BranchState, DraftResult]]:
         """Draft up to gamma tokens for every outcome, one batched forward per token, stopping early on request.
 
         A last step feeds the gamma-th token too: it costs nothing on the critical path and gives the draft's
         distribution after the branch, which the next round's outcome prediction needs. Rows that are done
         before the others (unfinished rows started ahead) feed a filler token their state never reads.
+
+        `grow`, called after every step, may return children (parent row, (k, bonus)) to add to the batch at
+        once: rows for the round after, under a parent whose first k tokens and distribution at k exist
+        already, so that they draft in the same forwards as their parents (returned after the first rows).
         """
-        b = len(outcomes)
-        pre = tree.pre or [None] * b
-        states, results, rows, contexts, fed0 = [], [], [], [], []
-        for r, o in enumerate(outcomes):
-            u = pre[r]
+        states, results, rows, contexts, pos = [], [], [], [], []
+
+        def add(r: int, o: Outcome, u: Unfinished | None) -> None:
             state = BranchState(tree, r, o)
-            if u is None:
-                results.append(DraftResult([], None))
-                rows.append([])
-                fed0.append(0)
-            else:  # goes on from the earlier state: its top lists, fed tokens and the token it drafted last
-                state.top = dict(u.state.top)
-                state.fed = u.state.fed
-                results.append(DraftResult(list(u.tokens), None))
+            result = DraftResult([], None)
+            if u is not None:  # goes on from the earlier state: its top lists, fed tokens and last drafted token
+                state.top, state.fed = dict(u.state.top), u.state.fed
+                result.tokens = list(u.tokens)
                 rows.append(list(u.logits) if u.logits is not None else [])
-                fed0.append(u.state.fed)
+            else:
+                rows.append([])
             states.append(state)
-            contexts.append(tree.prefix[r] + [o.bonus] + results[r].tokens)
-        seq_next = [len(p) + f for p, f in zip(tree.prefix, fed0)]  # sequence index of each row's next feed
-        # Position ids: sequence index less the masked prompt columns.
-        starts = torch.tensor(seq_next, device=self.device) - self.view.shift()
-        feed = self._ids([[c[-1]] for c in contexts])
-        for j in range(max(gamma + 1 - f for f in fed0)):
-            if should_stop():
-                break
+            results.append(result)
+            contexts.append(tree.prefix[r] + [o.bonus] + result.tokens)
+            pos.append(len(tree.prefix[r]) + state.fed)  # sequence index of the row's next feed
+
+        pre = tree.pre or [None] * len(outcomes)
+        for r, o in enumerate(outcomes):
+            add(r, o, pre[r])
+        while not should_stop() and any(st.fed < gamma + 1 for st in states):
+            b = len(states)
             tree.mask = torch.cat([tree.mask, tree.mask.new_ones(b, 1)], dim=1)
-            logits = self._forward(feed, (starts + j).unsqueeze(1), tree.cache, tree.mask)
-            nxt = []
+            feed = self._ids([[c[-1]] for c in contexts])
+            # Position ids: sequence index less the masked prompt columns.
+            positions = (torch.tensor(pos, device=self.device) - self.view.shift()).unsqueeze(1)
+            logits = self._forward(feed, positions, tree.cache, tree.mask)
             for r in range(b):
-                if states[r].fed >= gamma + 1:  # done: a filler feed, nothing recorded
-                    nxt.append(contexts[r][-1])
+                pos[r] += 1
+                if states[r].fed >= gamma + 1:  # done: a filler feed (its last token again), nothing recorded
                     continue
                 probs = self._probs_for(contexts[r], logits[r, -1])
-                states[r].top[seq_next[r] + j] = self._top(probs)
+                states[r].top[pos[r] - 1] = self._top(probs)
                 states[r].fed += 1
                 tokens = results[r].tokens
                 if len(tokens) >= gamma:
-                    nxt.append(contexts[r][-1])
                     continue
                 token, logq = self._choose(probs, fanout[len(tokens)] if len(tokens) < len(fanout) else 0)
                 tokens.append(token)
                 if logq is not None:
                     rows[r].append(logq)
                 contexts[r].append(token)
-                nxt.append(token)
-            feed = self._ids([[t] for t in nxt])
             if on_step is not None:
-                on_step(j)
-        for r in range(b):
+                on_step(len(tree.mask[0]) - tree.width - 1)
+            children = grow(states, results) if grow is not None else []
+            if children:
+                first = len(states)
+                self._append_rows(tree, [(states[p], results[p].tokens, o) for p, o in children])
+                for i, (_, o) in enumerate(children):
+                    add(first + i, o, None)  # its first feed: its bonus, right after its prefix
+        for r in range(len(states)):
             if rows[r]:
                 results[r].logits = torch.stack(rows[r])
         return list(zip(states, results))
+
+    def _append_rows(self, tree: TreeBatch, children: list[tuple[BranchState, list[int], Outcome]]) -> None:
+        """Add rows for children of rows of `tree` to it, aligned with its columns so far."""
+        width = tree.mask.shape[1]
+        rows = [(tree.cache, tree.mask, p.row, tree.offsets[p.row], p.start + 1 + o.accepted) for p, _, o in children]
+        lengths = [n for *_, n in rows]
+        offsets = [width - n for n in lengths]
+        cache, mask, _, _ = self._gather(rows, width)
+        for layer, new in zip(tree.cache.layers, cache.layers):
+            if holds_tensors(layer):
+                layer.keys = torch.cat([layer.keys, new.keys])
+                layer.values = torch.cat([layer.values, new.values])
+        tree.mask = torch.cat([tree.mask, mask])
+        tree.offsets += offsets
+        for p, tokens, o in children:
+            tree.prefix.append(p.batch.prefix[p.row] + [p.outcome.bonus] + tokens[: o.accepted])
+            top = {q: t for q, t in p.batch.prefix_top[p.row].items() if q < p.start}
+            top.update({q: t for q, t in p.top.items() if q <= p.start + o.accepted})
+            tree.prefix_top.append(top)
+            tree.pre.append(None)
 
     def adopt(self, state: BranchState, tokens: list[int]) -> None:
         """Make the trunk the branch's cache: the row's prefix, then bonus + drafts.

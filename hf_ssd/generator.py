@@ -304,7 +304,37 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.branches_drafted += 1
         self.stats.branches_by_depth[branch.depth] = self.stats.branches_by_depth.get(branch.depth, 0) + 1
 
-    def _children(self, level: list[_Parent], alpha: float, width: int) -> list[tuple[float, _Parent, Outcome]]:
+    def _grow(self, states, results, rows: list[Outcome], grown: list, gamma: int, alpha: float, width: int):
+        """Children to draft beside their parents, in the same batch, as soon as they can start: after a parent
+        row drafted token j, the outcome "its first j tokens accepted, token j rejected, then bonus b" of the
+        round after needs nothing more. Ranked by chain probability; at most `width` per job."""
+        if len(grown) >= width:
+            return []
+        scored = []
+        for r, (state, result) in enumerate(zip(states, results)):
+            tokens = result.tokens
+            j = len(tokens) - 1
+            if j < 0 or j >= gamma or state.fed != j + 1 or tokens[j] in self.eos:
+                continue  # nothing new, an unfinished row resumed (its early positions passed), or ends here
+            tops = state.tops(j)
+            qs = drafted_probs(tokens, tops)
+            p_acc = self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
+            p_k = 1.0 - p_acc(qs[j])
+            for q in qs[:j]:
+                p_k *= p_acc(q)
+            values, ids = tops[j]
+            pairs = [(float(v), int(t)) for v, t in zip(values.tolist(), ids.tolist()) if t != tokens[j]]
+            mass = sum(v for v, _ in pairs) or 1.0
+            for v, t in pairs[:width]:
+                if t not in self.eos and state.start + j + 3 < self.max_length:
+                    cond = p_k * v / mass
+                    scored.append((rows[r].prob * cond, r, Outcome(j, t, cond)))
+        scored.sort(key=lambda c: -c[0])
+        new = scored[: width - len(grown)]
+        grown += new
+        return [(r, o) for _, r, o in new]
+
+    def _children(self, round_id: int, level: list[_Parent], alpha: float, width: int) -> list[tuple[float, _Parent, Outcome]]:
         """The `width` likeliest outcomes of the round after, over every fully drafted branch of `level`: a
         parent's tokens are taken as that round's candidates, and its own top lists predict their verification.
         Ranked by the probability of the whole chain (parent's times the child's given the parent)."""
@@ -319,8 +349,10 @@ class SSDCandidateGenerator(CandidateGenerator):
             else:
                 outcomes = predict_outcomes(parent.tokens, tops, geometric_fanout(width, alpha, g), alpha, width)
             start = parent.state.start
+            chain = (round_id, parent.head) + tuple((k, b) for k, b, _ in parent.rest)
             scored += [(parent.prob * o.prob, parent, o) for o in outcomes
-                       if o.bonus not in self.eos and start + o.accepted + 3 < self.max_length]
+                       if o.bonus not in self.eos and start + o.accepted + 3 < self.max_length
+                       and not self.cache.has(chain + ((o.accepted, o.bonus),))]  # drafted beside its parent
         scored.sort(key=lambda c: -c[0])
         self.stats.outcomes_predicted += min(width, len(scored))
         return scored[:width]
@@ -400,18 +432,30 @@ class SSDCandidateGenerator(CandidateGenerator):
                     if should_stop():
                         return True
                     late = deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
-                    return len(steps) == gamma and late
+                    return len(steps) >= gamma and late
 
-                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step)
+                grown: list[tuple[float, int, Outcome]] = []  # children added to the batch: (chain prob, parent row, outcome)
+                grow = None
+                if self.depth > 1:
+                    def grow(states, results):
+                        return self._grow(states[: len(rows)], results, rows, grown, gamma, alpha, min(budget, limit))
+
+                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step,
+                                                  **({"grow": grow} if grow is not None else {}))
                 # 3. Cache insert.
                 self._hook("insert")
-                for r, (state, result) in enumerate(drafted):
+                for r, (state, result) in enumerate(drafted[: len(rows)]):
                     if result.tokens:
                         o = state.outcome
                         depth = 2 if r >= len(todo) else 1  # unfinished rows were begun a round ahead
                         self._insert(Branch(round_id, o.accepted, o.bonus, o.prob, result.tokens, result.logits, state,
                                             depth=depth))
                         level.append(_Parent(state, result.tokens, o.prob, (o.accepted, o.bonus), ()))
+                for (prob, p, o), (state, result) in zip(grown, drafted[len(rows):]):
+                    if result.tokens:
+                        head = (rows[p].accepted, rows[p].bonus)
+                        self._insert(Branch(round_id, *head, prob, result.tokens, result.logits, state,
+                                            ((o.accepted, o.bonus, o.prob),)))
             # 4. Deeper levels while the outcome has not arrived: the round after, under the likeliest branches.
             # A step that would still run when the outcome is expected is not started: the caller would wait for
             # it, and a deeper branch is worth less than the round it would delay.
@@ -423,7 +467,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             for _ in range(1, self.depth):
                 if should_stop():
                     break
-                children = self._children(level, alpha, min(budget, limit))
+                children = self._children(round_id, level, alpha, min(budget, limit))
                 if not children:
                     break
                 width[0], last[0] = len(children), time.perf_counter()

@@ -103,10 +103,12 @@ def main():
         predicted = sum(s.predicted_hits for s in stats) / max(1, lookups)
         rounds = sum(s.rounds for s in stats)
         acc = sum(s.accepted_tokens for s in stats) / max(1, rounds)
+        proposed = sum(s.proposed_tokens for s in stats) / max(1, rounds)
         print(f"  {f'SSD depth {depth}':<26} {rate:7.2f} tok/s  greedy {'identical' if same else 'DIFFERENT (bug)'} | "
               f"{rate / base:.2f}x depth 1, {rate / best:.2f}x best assisted | hit rate {hits / max(1, lookups):.1%} "
               f"(predicted {predicted:.1%}) | hits by depth {dict(sorted(by_depth.items()))} | "
-              f"evictions {sum(ev.values())} {dict(sorted(ev.items()))} | accepted/round {acc:.2f}")
+              f"evictions {sum(ev.values())} {dict(sorted(ev.items()))} | proposed/round {proposed:.2f}, "
+              f"accepted/round {acc:.2f}")
 
 
 if __name__ == "__main__":

@@ -143,6 +143,44 @@ def test_fork_and_resume_rows_match_the_draft_alone():
     assert d.draft(seq, 2, []).tokens == _alone(draft, seq, 2)
 
 
+def test_children_grown_mid_batch_match_the_draft_alone():
+    """Rows added to a batch in flight (children whose prefix their parent has drafted already) draft what the
+    draft computes alone, and their parents go on unchanged."""
+    draft = make_model(8)
+    d = Drafter(draft, None, do_sample=False, top_k=6)
+    context = [7, 3, 19, 44, 2]
+    d.sync(context)
+    outcomes = [Outcome(0, 11), Outcome(0, 30)]
+    tree = d.start_tree(len(context), outcomes)
+    gamma, added = 4, []
+
+    def grow(states, results):
+        # After each step, one child under each parent: reject its newest token, take the draft's next-best.
+        if len(results[0].tokens) not in (1, 3) or len(states) > 6:
+            return []
+        out = []
+        for r in range(2):
+            j = len(results[r].tokens) - 1
+            values, ids = states[r].tops(j)[j]
+            bonus = next(int(t) for t in ids.tolist() if t != results[r].tokens[j])
+            out.append((r, Outcome(j, bonus)))
+            added.append((r, j, bonus, list(results[r].tokens)))
+        return out
+
+    done = d.tree_steps(tree, outcomes, gamma, [], lambda: False, grow=grow)
+    assert len(done) == 2 + len(added) == 6
+    for (state, result), o in zip(done[:2], outcomes):
+        assert result.tokens == _alone(draft, context + [o.bonus], gamma) and state.fed == gamma + 1
+    for (r, j, bonus, parent_tokens), (state, result) in zip(added, done[2:]):
+        seq = context + [outcomes[r].bonus] + parent_tokens[:j] + [bonus]
+        assert result.tokens == _alone(draft, seq, gamma) and state.fed == gamma + 1
+    # A grown child adopts like any branch.
+    state, result = done[-1]
+    d.adopt(state, result.tokens)
+    seq = state.batch.prefix[state.row] + [state.outcome.bonus] + result.tokens
+    assert d.ids == seq and d.draft(seq, 2, []).tokens == _alone(draft, seq, 2)
+
+
 # ----- generation ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slow_pair():
