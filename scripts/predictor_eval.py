@@ -4,7 +4,9 @@ In greedy decoding a round's candidates are the draft's greedy continuation of t
 verification outcome (k accepted, bonus) follows from the target's greedy output. So once the target's output
 of each prompt is known (one AR run), every round of SSD with draft length gamma can be replayed with draft
 forwards alone, and each predictor asked whether the real outcome was among its `budget` pre-drafted ones:
-exactly the lookup SSD makes (inline layout, nothing cut short). All budgets and predictors see the same rounds;
+exactly the lookup SSD makes (inline layout, nothing cut short). A third row bounds every predictor that takes
+bonus tokens from the draft's ranking: it knows k and bets the whole budget on the draft's likeliest bonuses
+there. All budgets and predictors see the same rounds;
 the calibrated predictor learns along the way and carries over from prompt to prompt, as in a real session.
 
     flock /tmp/realpair.lock python scripts/predictor_eval.py --prompts 5 --max-new-tokens 64
@@ -43,6 +45,11 @@ def replay(target_ids: list[int], prompt_len: int, drafter: Drafter, gamma: int,
             cal = rank_outcomes(candidates, tops, calibration, b)
             counts[("geometric", b)] += truth in {(o.accepted, o.bonus) for o in geo}
             counts[("calibrated", b)] += truth in {(o.accepted, o.bonus) for o in cal}
+            # The bound for any predictor that takes bonus tokens from the draft's ranking: it knows k exactly
+            # and spends the whole budget on the draft's b likeliest bonuses there.
+            excluded = candidates[k] if k < len(candidates) else None
+            ranked = [t for t in tops[k][1].tolist() if t != excluded]
+            counts[("oracle_k", b)] += truth[1] in ranked[:b]
         counts["rounds"] += 1
         tracker.update(k, len(candidates))
         calibration.observe(drafted_probs(candidates, tops), k)
@@ -72,7 +79,7 @@ def main() -> None:
     print(f"gamma {args.gamma}, budgets {budgets}, {args.prompts} prompts per dataset x {args.max_new_tokens} tokens")
     for spec in args.datasets.split(","):
         name, ds = load_prompts(spec, args.prompts)
-        counts = {(kind, b): 0 for kind in ("geometric", "calibrated") for b in budgets} | {"rounds": 0}
+        counts = {(kind, b): 0 for kind in ("geometric", "calibrated", "oracle_k") for b in budgets} | {"rounds": 0}
         tracker, calibration = AcceptanceTracker(0.7), AcceptanceCalibration()
         start = time.perf_counter()
         for row in ds:
@@ -87,7 +94,9 @@ def main() -> None:
         print(f"{name}: {len(ds)} prompts, {rounds} rounds ({time.perf_counter() - start:.0f} s)")
         for b in budgets:
             g, c = counts[("geometric", b)] / rounds, counts[("calibrated", b)] / rounds
-            print(f"  budget {b}: hit rate geometric {g:.1%}  calibrated {c:.1%}  ({100 * (c - g):+.1f} points)")
+            o = counts[("oracle_k", b)] / rounds
+            print(f"  budget {b}: hit rate geometric {g:.1%}  calibrated {c:.1%}  ({100 * (c - g):+.1f} points)  "
+                  f"bound with k known {o:.1%}")
         print(f"  learned P(accept | q) by q decile: {[round(x, 2) for x in calibration.curve()]}")
 
 
