@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -26,6 +25,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .cache import Branch, SpeculationCache
 from .config import SSDConfig
 from .costs import CostModel
+from .depth import Parent, deeper_children, grown_children
 from .drafter import Unfinished
 from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
@@ -35,17 +35,6 @@ from .schedule import Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
 from .stats import SSDStats
-
-
-@dataclass
-class _Parent:
-    """A drafted branch that deeper levels may pre-draft under: its chain of outcomes and probability."""
-
-    state: object
-    tokens: list[int]
-    prob: float
-    head: tuple[int, int]  # the outcome of the round in flight it assumes
-    rest: tuple[tuple[int, int, float], ...]  # the deeper outcomes (k, bonus, probability given the ones before)
 
 
 class SSDCandidateGenerator(CandidateGenerator):
@@ -304,58 +293,12 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.branches_drafted += 1
         self.stats.branches_by_depth[branch.depth] = self.stats.branches_by_depth.get(branch.depth, 0) + 1
 
-    def _grow(self, states, results, rows: list[Outcome], grown: list, gamma: int, alpha: float, width: int):
-        """Children to draft beside their parents, in the same batch, as soon as they can start: after a parent
-        row drafted token j, the outcome "its first j tokens accepted, token j rejected, then bonus b" of the
-        round after needs nothing more. Ranked by chain probability; at most `width` per job."""
-        if len(grown) >= width:
-            return []
-        scored = []
-        for r, (state, result) in enumerate(zip(states, results)):
-            tokens = result.tokens
-            j = len(tokens) - 1
-            if j < 0 or j >= gamma or state.fed != j + 1 or tokens[j] in self.eos:
-                continue  # nothing new, an unfinished row resumed (its early positions passed), or ends here
-            tops = state.tops(j)
-            qs = drafted_probs(tokens, tops)
-            p_acc = self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
-            p_k = 1.0 - p_acc(qs[j])
-            for q in qs[:j]:
-                p_k *= p_acc(q)
-            values, ids = tops[j]
-            pairs = [(float(v), int(t)) for v, t in zip(values.tolist(), ids.tolist()) if t != tokens[j]]
-            mass = sum(v for v, _ in pairs) or 1.0
-            for v, t in pairs[:width]:
-                if t not in self.eos and state.start + j + 3 < self.max_length:
-                    cond = p_k * v / mass
-                    scored.append((rows[r].prob * cond, r, Outcome(j, t, cond)))
-        scored.sort(key=lambda c: -c[0])
-        new = scored[: width - len(grown)]
-        grown += new
-        return [(r, o) for _, r, o in new]
+    def _allowed(self, start: int, k: int, bonus: int) -> bool:
+        """Whether an outcome of the round after (bonus at sequence index start + 1 + k) is worth a branch."""
+        return bonus not in self.eos and start + k + 3 < self.max_length
 
-    def _children(self, round_id: int, level: list[_Parent], alpha: float, width: int) -> list[tuple[float, _Parent, Outcome]]:
-        """The `width` likeliest outcomes of the round after, over every fully drafted branch of `level`: a
-        parent's tokens are taken as that round's candidates, and its own top lists predict their verification.
-        Ranked by the probability of the whole chain (parent's times the child's given the parent)."""
-        scored = []
-        for parent in level:
-            g = len(parent.tokens)
-            if parent.state.fed < g + 1 or any(t in self.eos for t in parent.tokens):
-                continue  # cut short by the outcome's arrival, or ends the generation
-            tops = parent.state.tops(g)
-            if self.calibration is not None:
-                outcomes = rank_outcomes(parent.tokens, tops, self.calibration, width)
-            else:
-                outcomes = predict_outcomes(parent.tokens, tops, geometric_fanout(width, alpha, g), alpha, width)
-            start = parent.state.start
-            chain = (round_id, parent.head) + tuple((k, b) for k, b, _ in parent.rest)
-            scored += [(parent.prob * o.prob, parent, o) for o in outcomes
-                       if o.bonus not in self.eos and start + o.accepted + 3 < self.max_length
-                       and not self.cache.has(chain + ((o.accepted, o.bonus),))]  # drafted beside its parent
-        scored.sort(key=lambda c: -c[0])
-        self.stats.outcomes_predicted += min(width, len(scored))
-        return scored[:width]
+    def _p_accept(self, alpha: float):
+        return self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
 
     def _submit(self, context: list[int], candidates: list[int], alpha: float, option: Option) -> None:
         round_id = self.round
@@ -402,7 +345,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 branch = self.cache.peek(round_id, o.accepted, o.bonus)
                 if branch is not None and len(branch.tokens) >= gamma:
                     branch.prob = o.prob
-                    held.append(_Parent(branch.state, branch.tokens, o.prob, (o.accepted, o.bonus), branch.rest))
+                    held.append(Parent(branch.state, branch.tokens, o.prob, (o.accepted, o.bonus), branch.rest))
                 elif branch is not None and branch.tokens and branch.state.fed <= len(branch.tokens):
                     # Begun by a deeper level and cut short by the outcome's arrival: it goes on from there.
                     unfinished.append((o, Unfinished(branch.state, branch.tokens, branch.logits)))
@@ -438,7 +381,10 @@ class SSDCandidateGenerator(CandidateGenerator):
                 grow = None
                 if self.depth > 1:
                     def grow(states, results):
-                        return self._grow(states[: len(rows)], results, rows, grown, gamma, alpha, min(budget, limit))
+                        new = grown_children(states[: len(rows)], results, rows, len(grown), gamma,
+                                             self._p_accept(alpha), min(budget, limit), self._allowed)
+                        grown.extend(new)
+                        return [(r, o) for _, r, o in new]
 
                 drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step,
                                                   **({"grow": grow} if grow is not None else {}))
@@ -450,7 +396,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                         depth = 2 if r >= len(todo) else 1  # unfinished rows were begun a round ahead
                         self._insert(Branch(round_id, o.accepted, o.bonus, o.prob, result.tokens, result.logits, state,
                                             depth=depth))
-                        level.append(_Parent(state, result.tokens, o.prob, (o.accepted, o.bonus), ()))
+                        level.append(Parent(state, result.tokens, o.prob, (o.accepted, o.bonus), ()))
                 for (prob, p, o), (state, result) in zip(grown, drafted[len(rows):]):
                     if result.tokens:
                         head = (rows[p].accepted, rows[p].bonus)
@@ -467,7 +413,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             for _ in range(1, self.depth):
                 if should_stop():
                     break
-                children = self._children(round_id, level, alpha, min(budget, limit))
+                children = deeper_children(level, self.calibration, alpha, min(budget, limit), self._allowed,
+                                           lambda chain: self.cache.has((round_id,) + chain))
+                self.stats.outcomes_predicted += len(children)
                 if not children:
                     break
                 width[0], last[0] = len(children), time.perf_counter()
@@ -479,7 +427,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                     if result.tokens:
                         rest = parent.rest + ((o.accepted, o.bonus, o.prob),)
                         self._insert(Branch(round_id, *parent.head, prob, result.tokens, result.logits, state, rest))
-                        level.append(_Parent(state, result.tokens, prob, parent.head, rest))
+                        level.append(Parent(state, result.tokens, prob, parent.head, rest))
             info["steps"] = steps
 
         self.speculator.submit(job)
