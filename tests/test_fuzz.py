@@ -202,6 +202,7 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "max_outcomes": st.integers(0, 4096),
     "cache_size": st.integers(1, 10**6),
     "eviction": st.sampled_from(EVICTIONS),
+    "pipeline_depth": st.integers(1, 8),
     "fallback": st.sampled_from(FALLBACKS),
     "fallback_gamma": st.none() | st.integers(1, 4),
     "ngram_size": st.integers(1, 32),
