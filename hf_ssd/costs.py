@@ -11,6 +11,12 @@ import math
 import threading
 import weakref
 
+MAX_POSITION = 32  # per-position acceptance is tracked for draft positions 1..MAX_POSITION (later ones: the last)
+POSITION_DECAY = 0.97
+POSITION_PRIOR = 2.0
+CONFIDENCE_BINS = 20
+CONFIDENCE_DECAY = 0.99
+
 
 class Ewma:
     """Exponentially weighted mean with a prior worth `prior_weight` observations."""
@@ -86,6 +92,13 @@ class CostModel:
       them), from which the hit rate of any fan-out budget is predicted; `hits[b]` / `expected[b]` calibrate
       that prediction against the measured hits of budget b.
     - `acceptance`: per-token acceptance rate.
+    - `position_tried[j]` / `position_accepted[j]`: per draft position j (1-based), decayed counts of rounds
+      that drafted at least j tokens and accepted the first j - 1 (tried), and of those that accepted j too:
+      P(accept j | accepted j - 1), from which `expected_tokens(n)` and `length_probs(g)` follow (rounds whose
+      draft length was chosen by a confidence stop are left out: they select confident prefixes).
+    - `confidence_seen[i]` / `confidence_accepted[i]`: a histogram, by the draft's probability of its own top
+      token (CONFIDENCE_BINS bins), of drafted positions whose prefix was accepted, and how many of them the
+      target accepted; it models the confidence-stopped SD options for any threshold (`confidence_model`).
     """
 
     def __init__(self, on_gpu: bool, top_k: int, initial_acceptance: float):
@@ -108,11 +121,16 @@ class CostModel:
         self.expected: dict[int, float] = {}
         self.accepted = initial_acceptance * 4.0
         self.tried = 4.0
+        self.positions = [0.0] * (MAX_POSITION + 1)  # index j: rounds that tried position j (1-based)
+        self.positions_accepted = [0.0] * (MAX_POSITION + 1)
+        self.confidence_seen = [0.0] * CONFIDENCE_BINS
+        self.confidence_accepted = [0.0] * CONFIDENCE_BINS
         self.rounds_seen = 0
         # Per option: decayed sums of (rounds, measured tokens, predicted tokens, measured s, predicted s)
         # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
         # independent per position, costs that are not linear).
         self.outcomes: dict[object, list[float]] = {}
+        self.family_outcomes: dict[object, list[float]] = {}
         self.lock = threading.Lock()  # one generate call at a time updates a model
 
     # ----- updates ------------------------------------------------------------------------------------------
@@ -121,6 +139,32 @@ class CostModel:
             return
         self.accepted = 0.95 * self.accepted + accepted
         self.tried = 0.95 * self.tried + min(proposed, accepted + 1)
+
+    def add_positions(self, accepted: int, proposed: int) -> None:
+        """One verified round of a draft length not chosen from the draft's confidence."""
+        if proposed <= 0:
+            return
+        d = POSITION_DECAY
+        self.positions = [d * c for c in self.positions]
+        self.positions_accepted = [d * c for c in self.positions_accepted]
+        for j in range(1, min(proposed, accepted + 1, MAX_POSITION) + 1):
+            self.positions[j] += 1.0
+            self.positions_accepted[j] += float(j <= accepted)
+
+    def add_confidence(self, confidences: list[float], accepted: int) -> None:
+        """The draft's top probability at each candidate position of a verified round and the accepted count.
+
+        Positions up to the first rejection are known (accepted before it, rejected at it); later ones are not
+        counted (nothing says whether the target would have kept them)."""
+        if not confidences:
+            return
+        d = CONFIDENCE_DECAY
+        self.confidence_seen = [d * c for c in self.confidence_seen]
+        self.confidence_accepted = [d * c for c in self.confidence_accepted]
+        for j, q in enumerate(confidences[: accepted + 1]):
+            i = min(CONFIDENCE_BINS - 1, max(0, int(q * CONFIDENCE_BINS)))
+            self.confidence_seen[i] += 1.0
+            self.confidence_accepted[i] += float(j < accepted)
 
     def add_rank(self, rank: int | None) -> None:
         self.ranks = [c * self.rank_decay for c in self.ranks]
@@ -139,20 +183,30 @@ class CostModel:
             self.verify_overlapped.setdefault(budget, LinearFit(_relative(0.02))).update(n, seconds)
 
     def add_round_outcome(self, option, tokens: int, seconds: float, predicted) -> None:
-        sums = self.outcomes.setdefault(option, [0.0] * 5)
-        for i, v in enumerate((1.0, tokens, predicted.tokens, seconds, predicted.seconds)):
-            sums[i] = 0.9 * sums[i] + v
+        family = getattr(option, "family", None)
+        for table, key in ((self.outcomes, option), (self.family_outcomes, family)):
+            sums = table.setdefault(key, [0.0] * 5)
+            for i, v in enumerate((1.0, tokens, predicted.tokens, seconds, predicted.seconds)):
+                sums[i] = 0.9 * sums[i] + v
+
+    @staticmethod
+    def _ratios(sums, prior_rounds: float, prior: tuple[float, float]) -> tuple[float, float]:
+        if sums is None or sums[0] <= 0 or sums[2] <= 0 or sums[4] <= 0:
+            return prior
+        weight, tokens, pred_tokens, seconds, pred_seconds = sums
+        t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
+        return ((tokens + t_prior * prior[0]) / (pred_tokens + t_prior),
+                (seconds + s_prior * prior[1]) / (pred_seconds + s_prior))
 
     def correction(self, option, prior_rounds: float = 3.0) -> tuple[float, float]:
         """(measured / predicted tokens, measured / predicted seconds) over this option's rounds.
 
-        Shrunk towards 1 by `prior_rounds` rounds that went as predicted, so one odd round moves little."""
-        sums = self.outcomes.get(option)
-        if sums is None or sums[2] <= 0 or sums[4] <= 0:
-            return 1.0, 1.0
-        weight, tokens, pred_tokens, seconds, pred_seconds = sums
-        t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
-        return (tokens + t_prior) / (pred_tokens + t_prior), (seconds + s_prior) / (pred_seconds + s_prior)
+        Shrunk towards its family's ratios (all options of its kind, budget and threads; e.g. every sd(g) at
+        one thread count) by `prior_rounds` rounds, and the family's towards 1 the same way, so one odd round
+        moves little and an option not yet run inherits what its family's rounds showed about the model
+        (instead of looking better than its measured siblings only because it has not run)."""
+        family = self._ratios(self.family_outcomes.get(getattr(option, "family", None)), prior_rounds, (1.0, 1.0))
+        return self._ratios(self.outcomes.get(option), prior_rounds, family)
 
     def add_overhead(self, budget: int, seconds: float) -> None:
         self.overhead.setdefault(budget, Ewma(decay=0.85)).update(seconds)
@@ -161,6 +215,61 @@ class CostModel:
     @property
     def acceptance(self) -> float:
         return min(max(self.accepted / self.tried, 0.0), 0.995)
+
+    def position_acceptance(self, j: int) -> float:
+        """P(accept position j | accepted j - 1), j 1-based: measured counts with a prior of POSITION_PRIOR
+        rounds at the scalar acceptance (what an unseen position gets)."""
+        a = self.acceptance
+        if j > MAX_POSITION:
+            j = MAX_POSITION
+        return min(0.995, (self.positions_accepted[j] + POSITION_PRIOR * a) / (self.positions[j] + POSITION_PRIOR))
+
+    def expected_tokens(self, n: float) -> float:
+        """E(n) = 1 + sum_{j<=n} prod_{i<=j} p_i: expected new tokens (accepted prefix + bonus) of a round
+        verifying n drafted tokens, with p_i the measured per-position acceptance (a fractional n
+        interpolates)."""
+        total, run = 1.0, 1.0
+        whole = int(n)
+        for j in range(1, whole + 1):
+            run *= self.position_acceptance(j)
+            total += run
+        if n > whole:
+            total += (n - whole) * run * self.position_acceptance(whole + 1)
+        return total
+
+    def length_probs(self, g: int) -> list[float]:
+        """P(exactly k of g drafted tokens accepted), k = 0..g, from the per-position acceptance."""
+        probs, run = [], 1.0
+        for j in range(1, g + 1):
+            p = self.position_acceptance(j)
+            probs.append(run * (1.0 - p))
+            run *= p
+        probs.append(run)
+        return probs
+
+    def confidence_model(self, threshold: float, cap: int) -> tuple[float, float]:
+        """(expected drafted tokens, expected new tokens) of plain SD that drafts up to `cap` tokens and stops
+        after the first whose top probability is below `threshold`.
+
+        From the confidence histogram: r = P(top probability >= threshold) at a position, a_hi / a_lo =
+        acceptance of positions at / below it (each with a prior of 2 positions: r = 1 - threshold, a_hi = the
+        scalar acceptance, a_lo = half of it). Position j is drafted when the j - 1 before it were all
+        confident: P = r^(j-1), so the drafted count is sum_{j<cap} r^j; it yields a token when the j - 1
+        before it were confident and accepted and it is accepted: (r a_hi)^(j-1) (r a_hi + (1 - r) a_lo), so
+        E = 1 + m sum_{j<cap} (r a_hi)^j with m = r a_hi + (1 - r) a_lo. Assumes positions independent given
+        their confidence."""
+        cut = min(CONFIDENCE_BINS, max(0, int(round(threshold * CONFIDENCE_BINS))))
+        seen_hi, seen_lo = sum(self.confidence_seen[cut:]), sum(self.confidence_seen[:cut])
+        acc_hi, acc_lo = sum(self.confidence_accepted[cut:]), sum(self.confidence_accepted[:cut])
+        a = self.acceptance
+        w = 2.0
+        r = (seen_hi + w * (1.0 - threshold)) / (seen_hi + seen_lo + w)
+        a_hi = (acc_hi + w * a) / (seen_hi + w)
+        a_lo = (acc_lo + w * 0.5 * a) / (seen_lo + w)
+        m = r * a_hi + (1.0 - r) * a_lo
+        drafted = sum(r**j for j in range(cap))
+        tokens = 1.0 + m * sum((r * a_hi) ** j for j in range(cap))
+        return drafted, tokens
 
     def coverage(self, f: int) -> float:
         """P(the bonus is among the draft's f most likely tokens): the hit chance of f branches at one k."""
