@@ -241,3 +241,33 @@ def test_sampling_distribution_of_confidence_stopped_sd(pair, monkeypatch, case)
     if case != "switching":
         assert proposed / rounds < L - 1, proposed / rounds  # the stop fired (else it proves nothing)
     assert_matches_target(samples, joint, case)
+
+
+def test_chi_square_catches_a_stop_rule_that_is_not_exact(pair, monkeypatch):  # noqa: F811
+    """The test above can fail: a rule that drops the token just drawn when its own probability is low (so the
+    proposal is no longer q) is caught."""
+    target, draft = pair
+
+    def wrong(drafter, context, n, threshold):
+        tokens, rows, seq = [], [], list(context)
+        for _ in range(n):
+            probs = drafter.sync(seq)
+            token, logq = drafter._choose(probs, 0)
+            if float(probs[token]) < 0.3:
+                break
+            tokens.append(token)
+            rows.append(logq)
+            seq.append(token)
+        return hf_ssd.drafter.DraftResult(tokens, torch.stack(rows) if rows else None)
+
+    monkeypatch.setattr(hf_ssd.fallback, "draft_until_unsure", wrong)
+    force(monkeypatch, lambda options: next(o for o in stop_options(options) if o.stop == 0.5))
+    joint = exact_joint(target)
+    torch.manual_seed(2468)
+    samples = []
+    for _ in range(N):
+        out = target.generate(torch.tensor([PROMPT]), max_new_tokens=L, assistant_model=draft,
+                              ssd_config=SSDConfig(**QUIET), **GEN)
+        samples.append(tuple(out[0, len(PROMPT):].tolist()))
+    with pytest.raises(AssertionError, match="deviate"):
+        assert_matches_target(samples, joint, "wrong stop")
