@@ -12,10 +12,11 @@ import threading
 import weakref
 
 MAX_POSITION = 32  # per-position acceptance is tracked for draft positions 1..MAX_POSITION (later ones: the last)
-POSITION_DECAY = 0.97
+POSITION_DECAY = 0.95
 POSITION_PRIOR = 2.0
 CONFIDENCE_BINS = 20
-CONFIDENCE_DECAY = 0.99
+CONFIDENCE_DECAY = 0.97
+NEW_CALL_KEEP = 0.5  # weight of earlier calls' acceptance statistics when a new call starts
 
 
 class Ewma:
@@ -63,6 +64,10 @@ class LinearFit:
         var = self.wxx / self.w - mx * mx
         if var > 0.1:
             slope = max(0.0, (self.wxy / self.w - mx * my) / var)
+            if my - slope * mx < 0.0 and self.wxx > 0:
+                # A negative time at x = 0 (e.g. one slow long draft on a loaded machine steepens the slope):
+                # fit through the origin instead, so that short drafts do not look free.
+                return max(1e-6, self.wxy / self.wxx * x)
         else:
             slope = self.prior_slope(mx, my)
         return max(1e-6, my + slope * (x - mx))
@@ -134,6 +139,16 @@ class CostModel:
         self.lock = threading.Lock()  # one generate call at a time updates a model
 
     # ----- updates ------------------------------------------------------------------------------------------
+    def new_call(self, keep: float = NEW_CALL_KEEP) -> None:
+        """A new generate call is new text: what earlier calls showed about acceptance (scalar, per position,
+        by confidence) keeps only `keep` of its weight, so the new prompt's rounds soon dominate. Costs (times)
+        are properties of the machine and keep theirs."""
+        self.accepted, self.tried = keep * self.accepted, keep * self.tried
+        self.positions = [keep * c for c in self.positions]
+        self.positions_accepted = [keep * c for c in self.positions_accepted]
+        self.confidence_seen = [keep * c for c in self.confidence_seen]
+        self.confidence_accepted = [keep * c for c in self.confidence_accepted]
+
     def add_acceptance(self, accepted: int, proposed: int) -> None:
         if proposed <= 0:
             return

@@ -87,6 +87,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
+        with self.costs.lock:
+            self.costs.new_call()  # new text: earlier acceptance counts weigh less
         # fanout="calibrated": P(accept | the draft's probability) learned from verifications, kept per draft.
         self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
                             if config.fanout == "calibrated" else None)

@@ -31,6 +31,7 @@ CONFIDENCE_CAP = 16  # most tokens a confidence-stopped SD round drafts
 CONFIDENCE_STOPS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # thresholds the scheduler may pick (multiples of 0.05)
 EXPLORE = 0.08  # share of rounds that try another option family while estimates are young
 EXPLORE_MIN = 0.02
+EXPLORE_FLOOR = 0.5  # families predicted under this share of the best rate are not explored
 
 
 @dataclass(frozen=True)
@@ -214,11 +215,11 @@ class Scheduler:
         predictions = {o: self.predict(o) for o in self.options}  # once per round: ~70 options
         best, pred = self.best(predictions)
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
-        # predicted at under half the best rate: re-measuring those costs more than it can reveal.
+        # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.
         epsilon = max(EXPLORE_MIN, EXPLORE / math.sqrt(max(1.0, self.costs.rounds_seen / 25)))
         rates = {name: max((p.rate for p in map(predictions.get, fam) if p is not None), default=None)
                  for name, fam in self.families.items() if name != best.family}
-        floor = 0.5 * pred.rate if pred is not None else 0.0
+        floor = EXPLORE_FLOOR * pred.rate if pred is not None else 0.0
         worth = [name for name, r in rates.items() if r is None or r >= floor]
         if worth and self.rng.random() < epsilon:
             family = self.rng.choice(worth)

@@ -44,11 +44,11 @@ def test_expected_tokens_from_per_position_counts():
         c.add_positions(1 if i % 2 else 2, 4)
         c.add_acceptance(1 if i % 2 else 2, 4)
     p1, p2, p3 = (c.position_acceptance(j) for j in (1, 2, 3))
-    assert p1 > 0.97 and 0.4 < p2 < 0.6 and p3 < 0.1, (p1, p2, p3)
+    assert p1 > 0.95 and 0.4 < p2 < 0.6 and p3 < 0.15, (p1, p2, p3)
     assert c.expected_tokens(2) == pytest.approx(1 + p1 + p1 * p2)
-    assert c.expected_tokens(4) < c.expected_tokens(2) + 0.1  # nothing past position 2 pays
+    assert c.expected_tokens(4) < c.expected_tokens(2) + 0.1  # little past position 2 pays
     truth = 1 + 1 + 0.5  # bonus + position 1 + position 2 half the time
-    assert abs(c.expected_tokens(4) - truth) < 0.05
+    assert abs(c.expected_tokens(4) - truth) < 0.1
     assert abs(expected_tokens(4, c.acceptance) - truth) > 0.15  # the i.i.d. formula misses it
     probs = c.length_probs(4)
     assert sum(probs) == pytest.approx(1.0)
@@ -271,3 +271,27 @@ def test_chi_square_catches_a_stop_rule_that_is_not_exact(pair, monkeypatch):  #
         samples.append(tuple(out[0, len(PROMPT):].tolist()))
     with pytest.raises(AssertionError, match="deviate"):
         assert_matches_target(samples, joint, "wrong stop")
+
+
+# ----- robustness of the measurements ------------------------------------------------------------------------------
+
+
+def test_a_slow_long_draft_does_not_make_short_drafts_free():
+    c = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.7)
+    for n, s in [(1, 0.1), (2, 0.2), (1, 0.1), (2, 0.2), (16, 4.0)]:  # the long one ran on a loaded machine
+        c.add_draft(n, s)
+    assert c.draft_time(1) > 0.05, c.draft_time(1)
+
+
+def test_a_new_call_discounts_earlier_acceptance_counts():
+    c = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.7)
+    for _ in range(50):
+        c.add_positions(8, 8)
+        c.add_acceptance(8, 8)
+    before = c.positions[1]
+    c.new_call()
+    assert c.positions[1] == pytest.approx(0.5 * before)
+    for _ in range(5):  # the new text's first rounds are bad
+        c.add_positions(0, 8)
+        c.add_acceptance(0, 8)
+    assert c.position_acceptance(1) < 0.75
