@@ -135,7 +135,6 @@ class CostModel:
         # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
         # independent per position, costs that are not linear).
         self.outcomes: dict[object, list[float]] = {}
-        self.family_outcomes: dict[object, list[float]] = {}
         self.lock = threading.Lock()  # one generate call at a time updates a model
 
     # ----- updates ------------------------------------------------------------------------------------------
@@ -198,30 +197,22 @@ class CostModel:
             self.verify_overlapped.setdefault(budget, LinearFit(_relative(0.02))).update(n, seconds)
 
     def add_round_outcome(self, option, tokens: int, seconds: float, predicted) -> None:
-        family = getattr(option, "family", None)
-        for table, key in ((self.outcomes, option), (self.family_outcomes, family)):
-            sums = table.setdefault(key, [0.0] * 5)
-            for i, v in enumerate((1.0, tokens, predicted.tokens, seconds, predicted.seconds)):
-                sums[i] = 0.9 * sums[i] + v
-
-    @staticmethod
-    def _ratios(sums, prior_rounds: float, prior: tuple[float, float]) -> tuple[float, float]:
-        if sums is None or sums[0] <= 0 or sums[2] <= 0 or sums[4] <= 0:
-            return prior
-        weight, tokens, pred_tokens, seconds, pred_seconds = sums
-        t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
-        return ((tokens + t_prior * prior[0]) / (pred_tokens + t_prior),
-                (seconds + s_prior * prior[1]) / (pred_seconds + s_prior))
+        sums = self.outcomes.setdefault(option, [0.0] * 5)
+        for i, v in enumerate((1.0, tokens, predicted.tokens, seconds, predicted.seconds)):
+            sums[i] = 0.9 * sums[i] + v
 
     def correction(self, option, prior_rounds: float = 3.0) -> tuple[float, float]:
         """(measured / predicted tokens, measured / predicted seconds) over this option's rounds.
 
-        Shrunk towards its family's ratios (all options of its kind, budget and threads; e.g. every sd(g) at
-        one thread count) by `prior_rounds` rounds, and the family's towards 1 the same way, so one odd round
-        moves little and an option not yet run inherits what its family's rounds showed about the model
-        (instead of looking better than its measured siblings only because it has not run)."""
-        family = self._ratios(self.family_outcomes.get(getattr(option, "family", None)), prior_rounds, (1.0, 1.0))
-        return self._ratios(self.outcomes.get(option), prior_rounds, family)
+        Shrunk towards 1 by `prior_rounds` rounds that went as predicted, so one odd round moves little. (Pooling
+        the ratios over a family of options was tried: a few unlucky rounds then locked a whole family out
+        while a less measured one kept its optimistic model; see docs/scheduling.md.)"""
+        sums = self.outcomes.get(option)
+        if sums is None or sums[2] <= 0 or sums[4] <= 0:
+            return 1.0, 1.0
+        weight, tokens, pred_tokens, seconds, pred_seconds = sums
+        t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
+        return (tokens + t_prior) / (pred_tokens + t_prior), (seconds + s_prior) / (pred_seconds + s_prior)
 
     def add_overhead(self, budget: int, seconds: float) -> None:
         self.overhead.setdefault(budget, Ewma(decay=0.85)).update(seconds)

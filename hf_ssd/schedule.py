@@ -164,7 +164,9 @@ class Scheduler:
         if pred is None:
             return None
         tokens, seconds = self.costs.correction(option)
-        return Prediction(pred.tokens * tokens, pred.seconds * seconds)
+        if option.kind == "ar":
+            tokens = 1.0  # exact: an AR round yields one token, whatever other options' rounds showed
+        return Prediction(max(1.0, pred.tokens * tokens), pred.seconds * seconds)  # a round yields >= 1 token
 
     def model(self, option: Option, alpha: float | None = None) -> Prediction | None:
         """The model's E / T for this option; `alpha` given: i.i.d. acceptance at that rate instead of the

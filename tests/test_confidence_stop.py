@@ -145,22 +145,24 @@ def test_scheduler_picks_the_confidence_stop_when_confidence_predicts_acceptance
     assert not any(o.stop for o in allowed_options(SSDConfig(gamma=4), "thread", 1))
 
 
-def test_unrun_option_inherits_its_familys_correction_so_ar_wins():
-    """SD rounds that keep yielding half the modelled tokens make every SD gamma look worse, not only the ones
-    that ran; then AR, the fastest in truth, is picked."""
-    costs = fed_costs(0.6, 1.0, lambda b: 2.0, 0.3, lambda w: 0.3 * w, RANKS)
-    config = SSDConfig(gamma=4)  # no confidence options: SD(g) and AR (and SSD, slow here)
-    options = [o for o in allowed_options(config, "thread", 1)]
-    options += [Option("sd", g) for g in range(1, 9) if g != 4]
+def test_ar_wins_once_measured_acceptance_collapses():
+    """Rounds that keep rejecting the first drafted token make every SD length (and the confidence stop) worse
+    than AR, the fastest in truth, within a few rounds; AR's one token per round is never corrected."""
+    costs = fed_costs(0.8, 1.0, lambda b: 2.0, 0.3, lambda w: 0.3 * w, RANKS)
+    config = SSDConfig()
+    options = allowed_options(config, "thread", 1)
     s = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False)
     assert s.best()[0].kind == "sd"
-    ran = Option("sd", 4)
-    model = s.model(ran)
-    for _ in range(20):
-        costs.add_round_outcome(ran, 0.5 * model.tokens, model.seconds, model)
-    other = Option("sd", 2)
-    assert s.predict(other).tokens < 0.7 * s.model(other).tokens
+    for _ in range(10):  # new text: the draft's first token is rejected
+        costs.add_positions(0, 4)
+        costs.add_acceptance(0, 4)
+        costs.add_confidence([0.9, 0.9, 0.9, 0.9], 0)
     assert s.best()[0].kind == "ar", s.best()
+    ar = Option("ar")
+    model = s.model(ar)
+    for _ in range(10):
+        costs.add_round_outcome(ar, 1, model.seconds, model)
+    assert s.predict(ar).tokens == 1.0
 
 
 # ----- exactness of the confidence stop ----------------------------------------------------------------------------
