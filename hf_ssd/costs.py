@@ -11,6 +11,13 @@ import math
 import threading
 import weakref
 
+MAX_POSITION = 32  # per-position acceptance is tracked for draft positions 1..MAX_POSITION (later ones: the last)
+POSITION_DECAY = 0.95
+POSITION_PRIOR = 2.0
+CONFIDENCE_BINS = 20
+CONFIDENCE_DECAY = 0.97
+NEW_CALL_KEEP = 0.5  # weight of earlier calls' acceptance statistics when a new call starts
+
 
 class Ewma:
     """Exponentially weighted mean with a prior worth `prior_weight` observations."""
@@ -57,6 +64,10 @@ class LinearFit:
         var = self.wxx / self.w - mx * mx
         if var > 0.1:
             slope = max(0.0, (self.wxy / self.w - mx * my) / var)
+            if my - slope * mx < 0.0 and self.wxx > 0:
+                # A negative time at x = 0 (e.g. one slow long draft on a loaded machine steepens the slope):
+                # fit through the origin instead, so that short drafts do not look free.
+                return max(1e-6, self.wxy / self.wxx * x)
         else:
             slope = self.prior_slope(mx, my)
         return max(1e-6, my + slope * (x - mx))
@@ -86,6 +97,13 @@ class CostModel:
       them), from which the hit rate of any fan-out budget is predicted; `hits[b]` / `expected[b]` calibrate
       that prediction against the measured hits of budget b.
     - `acceptance`: per-token acceptance rate.
+    - `position_tried[j]` / `position_accepted[j]`: per draft position j (1-based), decayed counts of rounds
+      that drafted at least j tokens and accepted the first j - 1 (tried), and of those that accepted j too:
+      P(accept j | accepted j - 1), from which `expected_tokens(n)` and `length_probs(g)` follow (rounds whose
+      draft length was chosen by a confidence stop are left out: they select confident prefixes).
+    - `confidence_seen[i]` / `confidence_accepted[i]`: a histogram, by the draft's probability of its own top
+      token (CONFIDENCE_BINS bins), of drafted positions whose prefix was accepted, and how many of them the
+      target accepted; it models the confidence-stopped SD options for any threshold (`confidence_model`).
     """
 
     def __init__(self, on_gpu: bool, top_k: int, initial_acceptance: float):
@@ -108,6 +126,10 @@ class CostModel:
         self.expected: dict[int, float] = {}
         self.accepted = initial_acceptance * 4.0
         self.tried = 4.0
+        self.positions = [0.0] * (MAX_POSITION + 1)  # index j: rounds that tried position j (1-based)
+        self.positions_accepted = [0.0] * (MAX_POSITION + 1)
+        self.confidence_seen = [0.0] * CONFIDENCE_BINS
+        self.confidence_accepted = [0.0] * CONFIDENCE_BINS
         self.rounds_seen = 0
         # Per option: decayed sums of (rounds, measured tokens, predicted tokens, measured s, predicted s)
         # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
@@ -116,11 +138,47 @@ class CostModel:
         self.lock = threading.Lock()  # one generate call at a time updates a model
 
     # ----- updates ------------------------------------------------------------------------------------------
+    def new_call(self, keep: float = NEW_CALL_KEEP) -> None:
+        """A new generate call is new text: what earlier calls showed about acceptance (scalar, per position,
+        by confidence) keeps only `keep` of its weight, so the new prompt's rounds soon dominate. Costs (times)
+        are properties of the machine and keep theirs."""
+        self.accepted, self.tried = keep * self.accepted, keep * self.tried
+        self.positions = [keep * c for c in self.positions]
+        self.positions_accepted = [keep * c for c in self.positions_accepted]
+        self.confidence_seen = [keep * c for c in self.confidence_seen]
+        self.confidence_accepted = [keep * c for c in self.confidence_accepted]
+
     def add_acceptance(self, accepted: int, proposed: int) -> None:
         if proposed <= 0:
             return
         self.accepted = 0.95 * self.accepted + accepted
         self.tried = 0.95 * self.tried + min(proposed, accepted + 1)
+
+    def add_positions(self, accepted: int, proposed: int) -> None:
+        """One verified round of a draft length not chosen from the draft's confidence."""
+        if proposed <= 0:
+            return
+        d = POSITION_DECAY
+        self.positions = [d * c for c in self.positions]
+        self.positions_accepted = [d * c for c in self.positions_accepted]
+        for j in range(1, min(proposed, accepted + 1, MAX_POSITION) + 1):
+            self.positions[j] += 1.0
+            self.positions_accepted[j] += float(j <= accepted)
+
+    def add_confidence(self, confidences: list[float], accepted: int) -> None:
+        """The draft's top probability at each candidate position of a verified round and the accepted count.
+
+        Positions up to the first rejection are known (accepted before it, rejected at it); later ones are not
+        counted (nothing says whether the target would have kept them)."""
+        if not confidences:
+            return
+        d = CONFIDENCE_DECAY
+        self.confidence_seen = [d * c for c in self.confidence_seen]
+        self.confidence_accepted = [d * c for c in self.confidence_accepted]
+        for j, q in enumerate(confidences[: accepted + 1]):
+            i = min(CONFIDENCE_BINS - 1, max(0, int(q * CONFIDENCE_BINS)))
+            self.confidence_seen[i] += 1.0
+            self.confidence_accepted[i] += float(j < accepted)
 
     def add_rank(self, rank: int | None) -> None:
         self.ranks = [c * self.rank_decay for c in self.ranks]
@@ -146,7 +204,9 @@ class CostModel:
     def correction(self, option, prior_rounds: float = 3.0) -> tuple[float, float]:
         """(measured / predicted tokens, measured / predicted seconds) over this option's rounds.
 
-        Shrunk towards 1 by `prior_rounds` rounds that went as predicted, so one odd round moves little."""
+        Shrunk towards 1 by `prior_rounds` rounds that went as predicted, so one odd round moves little. (Pooling
+        the ratios over a family of options was tried: a few unlucky rounds then locked a whole family out
+        while a less measured one kept its optimistic model; see docs/scheduling.md.)"""
         sums = self.outcomes.get(option)
         if sums is None or sums[2] <= 0 or sums[4] <= 0:
             return 1.0, 1.0
@@ -161,6 +221,61 @@ class CostModel:
     @property
     def acceptance(self) -> float:
         return min(max(self.accepted / self.tried, 0.0), 0.995)
+
+    def position_acceptance(self, j: int) -> float:
+        """P(accept position j | accepted j - 1), j 1-based: measured counts with a prior of POSITION_PRIOR
+        rounds at the scalar acceptance (what an unseen position gets)."""
+        a = self.acceptance
+        if j > MAX_POSITION:
+            j = MAX_POSITION
+        return min(0.995, (self.positions_accepted[j] + POSITION_PRIOR * a) / (self.positions[j] + POSITION_PRIOR))
+
+    def expected_tokens(self, n: float) -> float:
+        """E(n) = 1 + sum_{j<=n} prod_{i<=j} p_i: expected new tokens (accepted prefix + bonus) of a round
+        verifying n drafted tokens, with p_i the measured per-position acceptance (a fractional n
+        interpolates)."""
+        total, run = 1.0, 1.0
+        whole = int(n)
+        for j in range(1, whole + 1):
+            run *= self.position_acceptance(j)
+            total += run
+        if n > whole:
+            total += (n - whole) * run * self.position_acceptance(whole + 1)
+        return total
+
+    def length_probs(self, g: int) -> list[float]:
+        """P(exactly k of g drafted tokens accepted), k = 0..g, from the per-position acceptance."""
+        probs, run = [], 1.0
+        for j in range(1, g + 1):
+            p = self.position_acceptance(j)
+            probs.append(run * (1.0 - p))
+            run *= p
+        probs.append(run)
+        return probs
+
+    def confidence_model(self, threshold: float, cap: int) -> tuple[float, float]:
+        """(expected drafted tokens, expected new tokens) of plain SD that drafts up to `cap` tokens and stops
+        after the first whose top probability is below `threshold`.
+
+        From the confidence histogram: r = P(top probability >= threshold) at a position, a_hi / a_lo =
+        acceptance of positions at / below it (each with a prior of 2 positions: r = 1 - threshold, a_hi = the
+        scalar acceptance, a_lo = half of it). Position j is drafted when the j - 1 before it were all
+        confident: P = r^(j-1), so the drafted count is sum_{j<cap} r^j; it yields a token when the j - 1
+        before it were confident and accepted and it is accepted: (r a_hi)^(j-1) (r a_hi + (1 - r) a_lo), so
+        E = 1 + m sum_{j<cap} (r a_hi)^j with m = r a_hi + (1 - r) a_lo. Assumes positions independent given
+        their confidence."""
+        cut = min(CONFIDENCE_BINS, max(0, int(round(threshold * CONFIDENCE_BINS))))
+        seen_hi, seen_lo = sum(self.confidence_seen[cut:]), sum(self.confidence_seen[:cut])
+        acc_hi, acc_lo = sum(self.confidence_accepted[cut:]), sum(self.confidence_accepted[:cut])
+        a = self.acceptance
+        w = 2.0
+        r = (seen_hi + w * (1.0 - threshold)) / (seen_hi + seen_lo + w)
+        a_hi = (acc_hi + w * a) / (seen_hi + w)
+        a_lo = (acc_lo + w * 0.5 * a) / (seen_lo + w)
+        m = r * a_hi + (1.0 - r) * a_lo
+        drafted = sum(r**j for j in range(cap))
+        tokens = 1.0 + m * sum((r * a_hi) ** j for j in range(cap))
+        return drafted, tokens
 
     def coverage(self, f: int) -> float:
         """P(the bonus is among the draft's f most likely tokens): the hit chance of f branches at one k."""

@@ -26,11 +26,53 @@ def one_hot_logits(tokens: list[int], vocab: int, device) -> torch.Tensor:
     return logits
 
 
+def draft_until_unsure(drafter: Drafter, context: list[int], n: int, threshold: float) -> DraftResult:
+    """Draft up to n tokens sequentially, stopping after the first token at which the draft's probability of its
+    own top token is below `threshold` (that token is still proposed, as in transformers' ConfidenceCriteria).
+
+    Exactness. The stop only decides how many candidates are proposed; each proposed token is drawn from the
+    draft's distribution q exactly as `Drafter.draft` draws it, and its log q row goes to the verifier, so the
+    verification (greedy matching, or speculative sampling against that q) is unchanged. In greedy mode the
+    candidates are a prefix of what `draft` would propose, and the output is the target's whatever the length.
+    In sampling mode, the decision to propose position j + 1 is a function of the prefix drafted so far (the
+    draft's distribution after it; for the token just drawn that is max q, which does not depend on which token
+    was drawn). Given that the target accepted the prefix, the prefix is the output so far, so the decision is a
+    function of the output prefix alone: stopping means the next token is the target's own sample from p
+    (the bonus), continuing means a draw from q corrected by speculative sampling, whose result is distributed
+    as p as well. Either way the next output token has the target's distribution given the prefix, as in SD of a
+    fixed length. (A rule that looked at verification randomness, or at the target's probabilities, would not
+    be exact; this one looks at neither.)
+
+    Built from the drafter's own steps (`sync`: feed the trunk and return the processed next-token
+    probabilities; `_choose`: the token and, when sampling, its log-probability row), so it works on the dynamic
+    and the static drafter. The trunk is left as `Drafter.draft` leaves it: it holds context + all but the last
+    drafted token.
+    """
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    seq = list(context)
+    for j in range(n):
+        probs = drafter.sync(seq)
+        token, logq = drafter._choose(probs, 0)  # no Saguaro scaling: plain SD has no cache to steer into
+        tokens.append(token)
+        if logq is not None:
+            rows.append(logq)
+        seq.append(token)
+        if j < n - 1 and float(probs.max()) < threshold:
+            break
+    return DraftResult(tokens, torch.stack(rows) if rows else None)
+
+
 def run_fallback(
-    kind: str, drafter: Drafter, context: list[int], n: int, short_n: int, ngram_size: int, fanout: list[int]
+    kind: str, drafter: Drafter, context: list[int], n: int, short_n: int, ngram_size: int, fanout: list[int],
+    stop: float = 0.0,
 ) -> DraftResult:
+    """The candidates of a round without a cache hit. `stop` > 0 (plain SD only): the confidence stop of
+    `draft_until_unsure`."""
     if n <= 0 or kind == "ar":
         return DraftResult([], None)
+    if kind == "sd" and stop > 0:
+        return draft_until_unsure(drafter, context, n, stop)
     if kind == "sd":
         return drafter.draft(context, n, fanout)
     if kind == "short":

@@ -91,6 +91,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
+        with self.costs.lock:
+            self.costs.new_call()  # new text: earlier acceptance counts weigh less
         # fanout="calibrated": P(accept | the draft's probability) learned from verifications, kept per draft.
         self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
                             if config.fanout == "calibrated" else None)
@@ -184,6 +186,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 result = run_fallback(
                     kind, self.drafter, context, n, max(1, self.config.fallback_gamma or gamma // 2),
                     self.config.ngram_size, self._fanout(option.budget, gamma, alpha),
+                    option.stop if option.kind == "sd" else 0.0,
                 )
             d1 = time.perf_counter()
             if kind in ("sd", "short") and n > 0:
@@ -261,6 +264,8 @@ class SSDCandidateGenerator(CandidateGenerator):
             ids = [t for t in tops[k][1].tolist() if t != excluded]
             self.costs.add_rank(ids.index(bonus) if bonus in ids else None)
         known = tops[: len(candidates)]
+        if known and all(t is not None for t in known):  # the draft's confidence at each candidate position
+            self.costs.add_confidence(torch.stack([t[0][0] for t in known]).tolist(), k)
         if self.calibration is not None and len(known) == len(candidates) and all(t is not None for t in known):
             self.calibration.observe(drafted_probs(candidates, known), k)
         if "record_s" in info:
@@ -278,6 +283,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.new_tokens += k + 1
         self.acceptance.update(k, g)
         self.costs.add_acceptance(k, g)
+        if self._current is None or not self._current[0].stop:  # a confidence stop selects confident prefixes
+            self.costs.add_positions(k, g)
         if self.config.record_timeline and self.stats.timeline:
             self.stats.timeline[-1].update(t_verified=time.perf_counter(), accepted=k)
 

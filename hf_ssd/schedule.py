@@ -4,12 +4,15 @@ Options:
 - `ssd(b, g)`: overlapped SSD, a speculation job with fan-out budget b pre-drafts g tokens per branch while the
   target verifies; the next round hits the cache or runs the fallback.
 - `sd(g)`: plain speculative decoding: no background job, g tokens drafted on the critical path.
+- `sd(g, c)`: plain SD with a confidence stop: up to g tokens, stopping after the first whose draft probability
+  of its top token is below c (what transformers' default assistant does with c = 0.4).
 - `ar`: no draft: the target decodes one token per round.
 
 Every option only changes what is proposed to the target's exact verification, so switching between rounds
 never changes the output. Per option, expected tokens per round E and round time T follow the SSD paper's
-analysis (expected tokens of a draft of length g with per-token acceptance a: (1 - a^(g+1)) / (1 - a)); the
-option with the best E / T runs, except on exploration rounds, which try another option so that a wrong early
+analysis, with the expected tokens of a draft of length g from the measured per-position acceptance
+(costs.CostModel.expected_tokens) rather than the i.i.d. (1 - a^(g+1)) / (1 - a); the option with the best
+E / T runs, except on exploration rounds, which try another option so that a wrong early
 estimate is corrected.
 """
 
@@ -20,12 +23,15 @@ import random
 from dataclasses import dataclass
 
 from .costs import CostModel
-from .fanout import acceptance_length_probs, geometric_fanout
+from .fanout import geometric_fanout
 
 AUTO_BUDGETS = (1, 2, 4, 8, 16)
 AUTO_GAMMAS = tuple(range(1, 9))
+CONFIDENCE_CAP = 16  # most tokens a confidence-stopped SD round drafts
+CONFIDENCE_STOPS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # thresholds the scheduler may pick (multiples of 0.05)
 EXPLORE = 0.08  # share of rounds that try another option family while estimates are young
 EXPLORE_MIN = 0.02
+EXPLORE_FLOOR = 0.5  # families predicted under this share of the best rate are not explored
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class Option:
     gamma: int = 0
     budget: int = 0
     threads: int = 0  # torch threads on the critical path (CPU, SD and AR only); 0: the call's default
+    stop: float = 0.0  # SD only: stop drafting after a token whose top draft probability is below this (0: never)
 
     @property
     def name(self) -> str:
@@ -41,13 +48,17 @@ class Option:
         if self.kind == "ssd":
             return f"ssd(b={self.budget},g={self.gamma})"
         if self.kind == "sd":
-            return f"sd(g={self.gamma}{',' + t if t else ''})"
+            c = f",c={self.stop:g}" if self.stop else ""
+            return f"sd(g={self.gamma}{c}{',' + t if t else ''})"
         return f"ar({t})" if t else "ar"
 
     @property
     def family(self) -> str:
-        """Exploration picks among families (kinds, budgets of SSD, thread counts); the model picks gamma."""
-        return f"ssd{self.budget}" if self.kind == "ssd" else f"{self.kind}{self.threads or ''}"
+        """Exploration picks among families (kinds, budgets of SSD, confidence-stopped SD, thread counts); the
+        model picks gamma (and the threshold)."""
+        if self.kind == "ssd":
+            return f"ssd{self.budget}"
+        return f"{self.kind}{'c' if self.stop else ''}{self.threads or ''}"
 
 
 @dataclass
@@ -74,8 +85,9 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
     - gamma set: that gamma only.
     - a fan-out set (fanout list or fanout_budget) or a layout set: the user asked for the speculator, so only
       SSD options (at that fan-out); the scheduler still tunes gamma where it is not set.
-    - otherwise: AR, SD and SSD at budgets 1..16 (within the cache size); `fewer_threads` adds AR and SD at
-      those thread counts (CPU thread layout with `cpu_threads` unset).
+    - otherwise: AR, SD, confidence-stopped SD (up to CONFIDENCE_CAP tokens, thresholds CONFIDENCE_STOPS) and
+      SSD at budgets 1..16 (within the cache size); `fewer_threads` adds AR and both SD kinds at those thread
+      counts (CPU thread layout with `cpu_threads` unset).
     """
     gammas = (config.gamma,) if config.is_set("gamma") or config.is_set("fanout") else AUTO_GAMMAS
     if config.schedule == "fixed":
@@ -88,6 +100,8 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
         return ssd
     plain = [Option("ar", threads=t) for t in (0, *fewer_threads)]
     plain += [Option("sd", g, threads=t) for t in (0, *fewer_threads) for g in gammas]
+    if not config.is_set("gamma"):  # a confidence stop chooses the draft length: not with a gamma set
+        plain += [Option("sd", CONFIDENCE_CAP, threads=t, stop=c) for t in (0, *fewer_threads) for c in CONFIDENCE_STOPS]
     return plain + ssd
 
 
@@ -113,7 +127,8 @@ class Scheduler:
 
     @staticmethod
     def _pick_gamma(family: list[Option], gamma: int) -> Option:
-        return min(family, key=lambda o: abs(o.gamma - gamma))
+        # Confidence-stopped SD: transformers' default threshold when the model cannot say yet.
+        return min(family, key=lambda o: (abs(o.gamma - gamma), abs(o.stop - 0.4)))
 
     # ----- model ----------------------------------------------------------------------------------------------
     def hit_rate(self, budget: int, gamma: int, alpha: float) -> float:
@@ -127,17 +142,21 @@ class Scheduler:
             fanout = self.config.fanout[: gamma + 1]
         else:
             fanout = geometric_fanout(budget, alpha, gamma)
-        p = sum(pk * self.costs.coverage(f) for pk, f in zip(acceptance_length_probs(alpha, gamma), fanout))
+        # P(k) from the measured per-position acceptance; the fan-out split is the job's (i.i.d. in alpha).
+        p = sum(pk * self.costs.coverage(f) for pk, f in zip(self.costs.length_probs(gamma), fanout))
         return min(1.0, p * self.costs.calibration(budget))
 
-    def _fallback(self, gamma: int, alpha: float) -> tuple[float, float] | None:
+    def _expected(self, n: float, alpha: float | None) -> float:
+        return self.costs.expected_tokens(n) if alpha is None else expected_tokens(n, alpha)
+
+    def _fallback(self, gamma: int, alpha: float | None) -> tuple[float, float] | None:
         """(tokens, seconds of drafting) of a miss's fallback for a round of draft length gamma."""
         kind = self.config.fallback
         if kind in ("ar", "ngram"):
             return 1.0, 0.0
         n = gamma if kind == "sd" else min(gamma, self.config.fallback_gamma or max(1, gamma // 2))
         t = self.costs.draft_time(n)
-        return (expected_tokens(n, alpha), t) if t is not None else None
+        return (self._expected(n, alpha), t) if t is not None else None
 
     def predict(self, option: Option, alpha: float | None = None) -> Prediction | None:
         """The model's E / T for this option, corrected by how its own past rounds compared with the model."""
@@ -145,38 +164,47 @@ class Scheduler:
         if pred is None:
             return None
         tokens, seconds = self.costs.correction(option)
-        return Prediction(pred.tokens * tokens, pred.seconds * seconds)
+        if option.kind == "ar":
+            tokens = 1.0  # exact: an AR round yields one token, whatever other options' rounds showed
+        return Prediction(max(1.0, pred.tokens * tokens), pred.seconds * seconds)  # a round yields >= 1 token
 
     def model(self, option: Option, alpha: float | None = None) -> Prediction | None:
+        """The model's E / T for this option; `alpha` given: i.i.d. acceptance at that rate instead of the
+        measured per-position acceptance."""
         c = self.costs
-        a = c.acceptance if alpha is None else alpha
+        a = alpha  # None: measured per position
         if option.kind == "ar":
             t = c.verify(0, None, option.threads)
             return None if t is None else Prediction(1.0, t)
         g = option.gamma
+        if option.kind == "sd" and option.stop:
+            drafted, tokens = c.confidence_model(option.stop, g)
+            tv, td = c.verify(drafted, None, option.threads), c.draft_time(drafted, option.threads)
+            return None if tv is None or td is None else Prediction(tokens, tv + td)
         if option.kind == "sd":
             tv, td = c.verify(g, None, option.threads), c.draft_time(g, option.threads)
-            return None if tv is None or td is None else Prediction(expected_tokens(g, a), tv + td)
+            return None if tv is None or td is None else Prediction(self._expected(g, a), tv + td)
         b = option.budget
         tv = c.verify(g, None if self.inline else b)
         fb = self._fallback(g, a)
         step = c.tree_step.predict(max(b, 1))
         if tv is None or fb is None:
             return None
-        p = self.hit_rate(b, g, a) if b > 0 else 0.0
+        p = self.hit_rate(b, g, c.acceptance if a is None else a) if b > 0 else 0.0
         # A hit returns the tokens pre-drafted by the time the outcome arrived (the job stops at the next step):
         # with overlap, about (verify - record) / step of them; inline, the whole branch.
         n_hit = g
         if not self.inline and step is not None:
             n_hit = min(g, max(1, math.ceil(max(0.0, tv - (c.record.value or 0.0)) / step)))
-        tokens = p * expected_tokens(n_hit, a) + (1.0 - p) * fb[0]
+        tokens = p * self._expected(n_hit, alpha) + (1.0 - p) * fb[0]
         seconds = tv + c.overhead_for(b) + (1.0 - p) * fb[1]
         return Prediction(tokens, seconds)
 
-    def best(self) -> tuple[Option, Prediction | None]:
+    def best(self, predictions: dict | None = None) -> tuple[Option, Prediction | None]:
+        predictions = predictions if predictions is not None else {o: self.predict(o) for o in self.options}
         best, best_pred = None, None
         for o in self.options:
-            pred = self.predict(o)
+            pred = predictions[o]
             if pred is not None and (best_pred is None or pred.rate > best_pred.rate):
                 best, best_pred = o, pred
         return (best, best_pred) if best is not None else (self.default, None)
@@ -186,20 +214,20 @@ class Scheduler:
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
-        best, pred = self.best()
+        predictions = {o: self.predict(o) for o in self.options}  # once per round: ~70 options
+        best, pred = self.best(predictions)
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
-        # predicted at under half the best rate: re-measuring those costs more than it can reveal.
+        # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.
         epsilon = max(EXPLORE_MIN, EXPLORE / math.sqrt(max(1.0, self.costs.rounds_seen / 25)))
-        rates = {name: max((p.rate for p in map(self.predict, fam) if p is not None), default=None)
+        rates = {name: max((p.rate for p in map(predictions.get, fam) if p is not None), default=None)
                  for name, fam in self.families.items() if name != best.family}
-        floor = 0.5 * pred.rate if pred is not None else 0.0
+        floor = EXPLORE_FLOOR * pred.rate if pred is not None else 0.0
         worth = [name for name, r in rates.items() if r is None or r >= floor]
         if worth and self.rng.random() < epsilon:
             family = self.rng.choice(worth)
             # Within the family, the gamma the model likes best (or the default's when it cannot say yet).
             cands = self.families[family]
-            scored = [(self.predict(o), o) for o in cands]
-            scored = [(p.rate, o) for p, o in scored if p is not None]
+            scored = [(predictions[o].rate, o) for o in cands if predictions[o] is not None]
             o = max(scored, key=lambda x: x[0])[1] if scored else self._pick_gamma(cands, self.default.gamma)
-            return o, self.predict(o), True
+            return o, predictions[o], True
         return best, pred, False

@@ -69,6 +69,7 @@ def run(method, target, draft, ids, new, sample, seed=0):
 
 def measure(method, target, draft, prompts, new, sample):
     tokens, seconds, outs, shares = 0, 0.0, [], {}
+    rounds = proposed = accepted = 0
     for ids in prompts:
         out, s, stats = run(method, target, draft, ids, new, sample)
         tokens, seconds = tokens + len(out), seconds + s
@@ -76,13 +77,21 @@ def measure(method, target, draft, prompts, new, sample):
         if stats is not None:
             for name, e in stats.options.items():
                 shares[name] = shares.get(name, 0.0) + e["seconds"]
+            rounds, proposed, accepted = rounds + stats.rounds, proposed + stats.proposed_tokens, accepted + stats.accepted_tokens
+    if rounds:  # what SSDConfig() proposed and got accepted per round (the scheduler's draft lengths)
+        shares["_per_round"] = (proposed / rounds, accepted / rounds)
     return tokens / seconds, outs, shares
 
 
 def fmt_shares(shares):
+    shares = dict(shares)
+    per_round = shares.pop("_per_round", None)
     total = sum(shares.values()) or 1.0
     top = sorted(shares.items(), key=lambda kv: -kv[1])[:4]
-    return ", ".join(f"{name} {s / total:.0%}" for name, s in top)
+    text = ", ".join(f"{name} {s / total:.0%}" for name, s in top)
+    if per_round:
+        text += f" | per round: {per_round[0]:.2f} proposed, {per_round[1]:.2f} accepted"
+    return text
 
 
 # ----- simulated device ------------------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ def recommended_config(option: Option) -> dict:
     """SSDConfig arguments that make the scheduler run this option (or keep choosing it)."""
     if option.kind == "ssd":
         return {"gamma": option.gamma, "fanout_budget": option.budget}
+    if option.kind == "sd" and option.stop:
+        return {}  # a confidence stop needs gamma unset: the default schedule offers it
     if option.kind == "sd":
         return {"gamma": option.gamma}  # auto picks plain SD where it measures it fastest, as here
     return {}  # AR: the default schedule runs the target alone when the draft does not pay
