@@ -291,12 +291,23 @@ class Drafter:
         previous job began; they go on from where they stopped.
         """
         T = len(self.ids)
-        trunk_mask = self.view.valid(T).unsqueeze(0)
-        rows = [(self.cache, trunk_mask, 0, 0, context_len + o.accepted) for o in outcomes]
-        for u in unfinished:
-            b = u.state.batch
-            rows.append((b.cache, b.mask, u.state.row, b.offsets[u.state.row], u.state.start + u.state.fed))
-        cache, mask, width, offsets = self._gather(rows)
+        if unfinished:
+            trunk_mask = self.view.valid(T).unsqueeze(0)
+            rows = [(self.cache, trunk_mask, 0, 0, context_len + o.accepted) for o in outcomes]
+            for u in unfinished:
+                b = u.state.batch
+                rows.append((b.cache, b.mask, u.state.row, b.offsets[u.state.row], u.state.start + u.state.fed))
+            cache, mask, width, offsets = self._gather(rows)
+        else:  # the common case, on the critical path's clock: one direct gather from the single-row trunk
+            width, offsets = T, [T - context_len - o.accepted for o in outcomes]
+            shifted = torch.arange(T, device=self.device) - torch.tensor(offsets, device=self.device).unsqueeze(1)
+            index = shifted.clamp(min=0)
+            mask = self.view.valid(T)[index] * (shifted >= 0)
+            cache = self._new_cache()
+            for i, layer in enumerate(self.cache.layers):
+                if holds_tensors(layer):
+                    k, v = layer.keys[0], layer.values[0]  # [heads, T, dim]
+                    cache.update(k[:, index].transpose(0, 1), v[:, index].transpose(0, 1), i)
         ids, top = list(self.ids), dict(self.top)
         prefix = [ids[: context_len + o.accepted] for o in outcomes]
         prefix += [u.state.batch.prefix[u.state.row] for u in unfinished]
