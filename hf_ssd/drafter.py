@@ -81,6 +81,24 @@ class BranchState:
         return [self.top[self.start + j] for j in range(n + 1)]
 
 
+def _child_sources(children: list[tuple[BranchState, list[int], Outcome]]) -> list[tuple]:
+    """`Drafter._gather` rows for children (parent, parent_tokens, (k, bonus)): the parent row's columns up to its
+    k-th drafted token (its prefix, its bonus, k tokens)."""
+    return [(p.batch.cache, p.batch.mask, p.row, p.batch.offsets[p.row], p.start + 1 + o.accepted)
+            for p, _, o in children]
+
+
+def _child_prefixes(children: list[tuple[BranchState, list[int], Outcome]]):
+    """Each child's prefix (the ids before its bonus) and the top lists at the positions before it."""
+    prefix, tops = [], []
+    for p, tokens, o in children:
+        prefix.append(p.batch.prefix[p.row] + [p.outcome.bonus] + tokens[: o.accepted])
+        top = {q: t for q, t in p.batch.prefix_top[p.row].items() if q < p.start}
+        top.update({q: t for q, t in p.top.items() if q <= p.start + o.accepted})
+        tops.append(top)
+    return prefix, tops
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix: how much of the trunk a new context can keep."""
     n = 0
@@ -225,8 +243,12 @@ class Drafter:
     def _probs_for(self, context: list[int], logits: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self._process(context, logits), dim=-1)
 
-    def draft(self, context: list[int], n: int, fanout: list[int]) -> DraftResult:
-        """Plain sequential drafting of n tokens after `context` (the SD path, used by fallbacks)."""
+    def draft(self, context: list[int], n: int, fanout: list[int], stop_below: float = 0.0) -> DraftResult:
+        """Plain sequential drafting of n tokens after `context` (the SD path, used by fallbacks).
+
+        `stop_below` > 0: stop after the first token drawn where the draft's top probability is below it (that
+        token is still proposed), the confidence stop of `fallback.draft_until_unsure`.
+        """
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         seq = list(context)
@@ -237,6 +259,8 @@ class Drafter:
             if logq is not None:
                 rows.append(logq)
             seq.append(token)
+            if stop_below > 0 and j < n - 1 and float(probs.max()) < stop_below:
+                break
         return DraftResult(tokens, torch.stack(rows) if rows else None)
 
     def record(self, context: list[int], record_from: int) -> None:
@@ -321,15 +345,8 @@ class Drafter:
         The child's prefix is the parent's prefix, its bonus and its first k drafted tokens, all already in the
         parent's row (k < parent.fed); those columns are gathered into a new batched cache.
         """
-        rows = [(p.batch.cache, p.batch.mask, p.row, p.batch.offsets[p.row], p.start + 1 + o.accepted)
-                for p, _, o in children]
-        cache, mask, width, offsets = self._gather(rows)
-        prefix, tops = [], []
-        for p, tokens, o in children:
-            prefix.append(p.batch.prefix[p.row] + [p.outcome.bonus] + tokens[: o.accepted])
-            top = {q: t for q, t in p.batch.prefix_top[p.row].items() if q < p.start}
-            top.update({q: t for q, t in p.top.items() if q <= p.start + o.accepted})
-            tops.append(top)
+        cache, mask, width, offsets = self._gather(_child_sources(children))
+        prefix, tops = _child_prefixes(children)
         return TreeBatch(cache, width, prefix, tops, offsets, mask, [None] * len(children))
 
     def tree_steps(
@@ -408,23 +425,17 @@ class Drafter:
 
     def _append_rows(self, tree: TreeBatch, children: list[tuple[BranchState, list[int], Outcome]]) -> None:
         """Add rows for children of rows of `tree` to it, aligned with its columns so far."""
-        width = tree.mask.shape[1]
-        rows = [(tree.cache, tree.mask, p.row, tree.offsets[p.row], p.start + 1 + o.accepted) for p, _, o in children]
-        lengths = [n for *_, n in rows]
-        offsets = [width - n for n in lengths]
-        cache, mask, _, _ = self._gather(rows, width)
+        cache, mask, _, offsets = self._gather(_child_sources(children), tree.mask.shape[1])
         for layer, new in zip(tree.cache.layers, cache.layers):
             if holds_tensors(layer):
                 layer.keys = torch.cat([layer.keys, new.keys])
                 layer.values = torch.cat([layer.values, new.values])
         tree.mask = torch.cat([tree.mask, mask])
         tree.offsets += offsets
-        for p, tokens, o in children:
-            tree.prefix.append(p.batch.prefix[p.row] + [p.outcome.bonus] + tokens[: o.accepted])
-            top = {q: t for q, t in p.batch.prefix_top[p.row].items() if q < p.start}
-            top.update({q: t for q, t in p.top.items() if q <= p.start + o.accepted})
-            tree.prefix_top.append(top)
-            tree.pre.append(None)
+        prefix, tops = _child_prefixes(children)
+        tree.prefix += prefix
+        tree.prefix_top += tops
+        tree.pre += [None] * len(children)
 
     def adopt(self, state: BranchState, tokens: list[int]) -> None:
         """Make the trunk the branch's cache: the row's prefix, then bonus + drafts.

@@ -43,24 +43,10 @@ def draft_until_unsure(drafter: Drafter, context: list[int], n: int, threshold: 
     fixed length. (A rule that looked at verification randomness, or at the target's probabilities, would not
     be exact; this one looks at neither.)
 
-    Built from the drafter's own steps (`sync`: feed the trunk and return the processed next-token
-    probabilities; `_choose`: the token and, when sampling, its log-probability row), so it works on the dynamic
-    and the static drafter. The trunk is left as `Drafter.draft` leaves it: it holds context + all but the last
-    drafted token.
+    The trunk is left as `Drafter.draft` leaves it: it holds context + all but the last drafted token. No Saguaro
+    scaling: plain SD has no cache to steer residuals into.
     """
-    tokens: list[int] = []
-    rows: list[torch.Tensor] = []
-    seq = list(context)
-    for j in range(n):
-        probs = drafter.sync(seq)
-        token, logq = drafter._choose(probs, 0)  # no Saguaro scaling: plain SD has no cache to steer into
-        tokens.append(token)
-        if logq is not None:
-            rows.append(logq)
-        seq.append(token)
-        if j < n - 1 and float(probs.max()) < threshold:
-            break
-    return DraftResult(tokens, torch.stack(rows) if rows else None)
+    return drafter.draft(context, n, [], stop_below=threshold)
 
 
 def run_fallback(

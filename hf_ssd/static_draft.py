@@ -402,8 +402,11 @@ class StaticDrafter(Drafter):
         self._last = (len(context), probs)
         return probs
 
-    def draft(self, context: list[int], n: int, fanout: list[int]) -> DraftResult:
-        """Sequential drafting with the trunk step; the tokens reach the host once, at the end."""
+    def draft(self, context: list[int], n: int, fanout: list[int], stop_below: float = 0.0) -> DraftResult:
+        """Sequential drafting with the trunk step; the tokens reach the host once, at the end. A confidence stop
+        needs the host each step, so it takes the generic loop (over this class's `sync`)."""
+        if stop_below > 0:
+            return super().draft(context, n, fanout, stop_below)
         if n <= 0:
             return DraftResult([], None)
         probs = self.sync(context)

@@ -344,15 +344,9 @@ def test_graph_capture_failure_logged_or_raised(gpu_target, caplog, monkeypatch)
 
 def test_stream_graphs_sampling_matches_target_distribution():
     """The chi-square test of tests/test_sampling.py with the stream layout and graphs (false fail < 1e-4)."""
-    from test_sampling import GEN, PROMPT, L, N, V, assert_matches_target, exact_joint
+    from test_sampling import GEN, PROMPT, L, N, assert_matches_target, exact_joint, sampling_pair
 
-    cpu_target = make_model(3, vocab_size=V, hidden=32)
-    for m in (cpu_target,):
-        m.generation_config.eos_token_id = None
-        m.config.eos_token_id = None
-    draft = noisy_copy(cpu_target, 0.3, seed=5)
-    draft.generation_config.eos_token_id = None
-    draft.config.eos_token_id = None
+    cpu_target, draft = sampling_pair()
     joint = exact_joint(cpu_target)
     target, draft = cpu_target.to("cuda"), draft.to("cuda")
     hf_ssd.enable(target)

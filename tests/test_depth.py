@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 from conftest import make_model, noisy_copy
-from test_sampling import GEN, PROMPT, N, chi_square_p, marginal, processors
+from test_sampling import GEN, PROMPT, N, assert_matches_target, exact_joint, sampling_pair
 
 import hf_ssd
 from hf_ssd import SSDConfig
@@ -266,32 +266,11 @@ def test_stats_report_depth_and_calibration(slow_pair):
 
 SAMPLE_V, SAMPLE_L = 4, 6  # longer than test_sampling.py's 4 tokens: rounds 3+ are where deeper levels hit
 SAMPLE_POSITIONS = [(i,) for i in range(SAMPLE_L)] + [(0, 1), (2, 3), (4, 5)]
-SAMPLE_ALPHA = 1e-4 / len(SAMPLE_POSITIONS)  # Bonferroni: a correct sampler fails with probability < 1e-4
-
-
-@torch.no_grad()
-def _exact_joint(target) -> dict:
-    procs = processors()
-    joint = {(): 1.0}
-    for _ in range(SAMPLE_L):
-        nxt = {}
-        for prefix, p in joint.items():
-            ids = torch.tensor([PROMPT + list(prefix)])
-            probs = torch.softmax(procs(ids, target(ids).logits[:, -1].double()), dim=-1)[0]
-            nxt.update({prefix + (t,): p * float(probs[t]) for t in range(SAMPLE_V) if probs[t] > 0})
-        joint = nxt
-    return joint
 
 
 def test_sampling_matches_target_with_depth():
-    target = make_model(3, vocab_size=SAMPLE_V, hidden=32)
-    target.generation_config.eos_token_id = None
-    target.config.eos_token_id = None
-    draft = noisy_copy(target, 0.3, seed=5)
-    draft.generation_config.eos_token_id = None
-    draft.config.eos_token_id = None
-    hf_ssd.enable(target)
-    joint = _exact_joint(target)
+    target, draft = sampling_pair(SAMPLE_V)
+    joint = exact_joint(target, SAMPLE_L)
     config = SSDConfig(gamma=2, fanout_budget=3, pipeline_depth=3, cache_size=8, layout="thread", schedule="fixed",
                        hit_rate_warning=0)
     simulate_device(target, DeviceCost(0.006))
@@ -306,10 +285,4 @@ def test_sampling_matches_target_with_depth():
     finally:
         unsimulate(target)
     assert deep >= 20, f"only {deep} hits served from deeper levels: the test would not prove much"
-    for positions in SAMPLE_POSITIONS:
-        observed: dict = {}
-        for x in samples:
-            key = tuple(x[i] for i in positions)
-            observed[key] = observed.get(key, 0) + 1
-        p = chi_square_p(observed, marginal(joint, positions), len(samples))
-        assert p > SAMPLE_ALPHA, f"positions {positions} deviate from the target distribution (p={p:.2e})"
+    assert_matches_target(samples, joint, "pipeline_depth=3", SAMPLE_POSITIONS)

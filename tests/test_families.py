@@ -16,10 +16,11 @@ import re
 from pathlib import Path
 
 import pytest
+import test_sampling
 import torch
 import transformers as tf
 from conftest import noisy_copy
-from test_sampling import GEN, assert_matches_target, processors
+from test_sampling import GEN, assert_matches_target, exact_joint
 
 import hf_ssd
 from hf_ssd import SSDConfig, SSDUsageError, UnsupportedDraftError
@@ -281,24 +282,8 @@ def test_padded_vocabulary_with_tokenizer(t_vocab, d_vocab):
 
 # ----- sampling -----------------------------------------------------------------------------------------------
 
-SV, SL, SN = 6, 4, 700  # vocabulary, new tokens, samples (as in test_sampling)
-SPROMPT = [2, 3]
-
-
-@torch.no_grad()
-def exact_joint(target) -> dict:
-    procs = processors()
-    joint = {(): 1.0}
-    for _ in range(SL):
-        nxt = {}
-        for prefix, p in joint.items():
-            ids = torch.tensor([SPROMPT + list(prefix)])
-            probs = torch.softmax(procs(ids, target(ids).logits[:, -1].double()), dim=-1)[0]
-            for t in range(SV):
-                if probs[t] > 0:
-                    nxt[prefix + (t,)] = p * float(probs[t])
-        joint = nxt
-    return joint
+# Vocabulary, new tokens, samples and prompt of test_sampling, whose exact_joint this uses.
+SV, SL, SN, SAMPLE_PROMPT = test_sampling.V, test_sampling.L, test_sampling.N, test_sampling.PROMPT
 
 
 SAMPLING = [("gemma2", "inline", None), ("bloom", "inline", None), ("mistral+sw", "thread", None), ("llama", "inline", 5)]
@@ -321,9 +306,9 @@ def test_sampling_matches_target_distribution(family, layout, d_vocab):
     torch.manual_seed(1234)
     samples, hits = [], 0
     for _ in range(SN):
-        out = target.generate(torch.tensor([SPROMPT]), max_new_tokens=SL, assistant_model=draft, ssd_config=config,
+        out = target.generate(torch.tensor([SAMPLE_PROMPT]), max_new_tokens=SL, assistant_model=draft, ssd_config=config,
                               **GEN, **extra)
-        samples.append(tuple(out[0, len(SPROMPT):].tolist()))
+        samples.append(tuple(out[0, len(SAMPLE_PROMPT):].tolist()))
         hits += hf_ssd.last_stats(target).cache_hits
     assert hits > 0
     assert_matches_target(samples, joint, family)

@@ -35,29 +35,35 @@ def processors() -> LogitsProcessorList:
     ])
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = make_model(3, vocab_size=V, hidden=32)
-    target.generation_config.eos_token_id = None  # every sample has exactly L new tokens
-    target.config.eos_token_id = None
-    draft = noisy_copy(target, 0.3, seed=5)  # clearly different: the rejection/residual paths matter
-    draft.generation_config.eos_token_id = None
-    draft.config.eos_token_id = None
+def sampling_pair(vocab: int = V) -> tuple:
+    """Target (enabled) and a clearly different draft, neither with an EOS: every sample has its full length, and
+    the rejection/residual paths matter."""
+    target = make_model(3, vocab_size=vocab, hidden=32)
+    draft = noisy_copy(target, 0.3, seed=5)
+    for m in (target, draft):
+        m.generation_config.eos_token_id = None
+        m.config.eos_token_id = None
     hf_ssd.enable(target)
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def pair():
+    return sampling_pair()
+
+
 @torch.no_grad()
-def exact_joint(target) -> dict[tuple[int, ...], float]:
+def exact_joint(target, length: int = L) -> dict[tuple[int, ...], float]:
+    """The exact distribution of the first `length` tokens after PROMPT, by enumerating every prefix."""
     procs = processors()
     joint = {(): 1.0}
-    for _ in range(L):
+    for _ in range(length):
         nxt = {}
         for prefix, p in joint.items():
             ids = torch.tensor([PROMPT + list(prefix)])
             logits = target(ids).logits[:, -1].double()
             probs = torch.softmax(procs(ids, logits), dim=-1)[0]
-            for t in range(V):
+            for t in range(probs.numel()):
                 if probs[t] > 0:
                     nxt[prefix + (t,)] = p * float(probs[t])
         joint = nxt
@@ -87,16 +93,18 @@ def chi_square_p(observed: dict, expected: dict, n: int) -> float:
 POSITIONS = [(0,), (1,), (2,), (3,), (0, 1), (2, 3)]  # each marginal, and pairs spanning the first rounds
 
 
-def assert_matches_target(samples: list[tuple], joint: dict, label: str = "") -> None:
+def assert_matches_target(samples: list[tuple], joint: dict, label: str = "", checks: list = POSITIONS) -> None:
     """Chi-square test of each position's marginal and of two pairs against the exact joint distribution; each
-    statistic is held to ALPHA = 1e-4 / 6, so a correct sampler fails a call with probability < 1e-4."""
-    for positions in POSITIONS:
+    statistic is held to 1e-4 / len(checks) (ALPHA for the default six), so a correct sampler fails a call with
+    probability < 1e-4."""
+    alpha = 1e-4 / len(checks)
+    for positions in checks:
         observed: dict = {}
         for s in samples:
             key = tuple(s[i] for i in positions)
             observed[key] = observed.get(key, 0) + 1
         p = chi_square_p(observed, marginal(joint, positions), len(samples))
-        assert p > ALPHA, f"{label}: positions {positions} deviate from the target distribution (p={p:.2e})"
+        assert p > alpha, f"{label}: positions {positions} deviate from the target distribution (p={p:.2e})"
 
 
 def marginal(joint: dict, positions: tuple[int, ...]) -> dict:

@@ -494,16 +494,9 @@ SAMPLING = {
 @pytest.mark.parametrize("case", list(SAMPLING))
 def test_sampling_matches_target_distribution(case):
     """Same statistics as tests/test_sampling.py: false-fail probability < 1e-4 per case (Bonferroni)."""
-    from test_sampling import GEN, PROMPT, L, N, V, assert_matches_target, exact_joint
+    from test_sampling import GEN, PROMPT, L, N, assert_matches_target, exact_joint, sampling_pair
 
-    target = make_model(3, vocab_size=V, hidden=32)
-    for m in (target,):
-        m.generation_config.eos_token_id = None
-        m.config.eos_token_id = None
-    d = noisy_copy(target, 0.3, seed=5)
-    d.generation_config.eos_token_id = None
-    d.config.eos_token_id = None
-    hf_ssd.enable(target)
+    target, d = sampling_pair()
     joint = exact_joint(target)
     config = static_config(**SAMPLING[case])
     torch.manual_seed(4321)
