@@ -73,6 +73,42 @@ class LinearFit:
         return max(1e-6, my + slope * (x - mx))
 
 
+class PointFit:
+    """A cost that need not be linear in x: the measured mean at each whole x seen, the linear fit elsewhere.
+
+    Why: on CPU a forward's time is not linear in its number of rows. With torch's float32 kernels there a
+    forward over 2-3 token rows can take two to three times one row and 5-8 rows less than 3 (the matrix
+    products switch kernels), so a line through verify times of 5-8 candidates rated the one-row AR step
+    twice its real cost. Once x has been measured its own (decayed) mean answers; a fractional x interpolates
+    between its neighbours.
+    """
+
+    def __init__(self, prior_slope, decay: float = 0.95, point_decay: float = 0.8):
+        self.line = LinearFit(prior_slope, decay)
+        self.point_decay = point_decay
+        self.points: dict[int, Ewma] = {}
+
+    @property
+    def count(self) -> int:
+        return self.line.count
+
+    def update(self, x: float, y: float) -> None:
+        self.line.update(x, y)
+        if x == int(x):
+            self.points.setdefault(int(x), Ewma(decay=self.point_decay)).update(y)
+
+    def _at(self, x: int) -> float | None:
+        point = self.points.get(x)
+        return point.value if point is not None else self.line.predict(x)
+
+    def predict(self, x: float) -> float | None:
+        lo = math.floor(x)
+        if x == lo:
+            return self._at(lo)
+        a, b = self._at(lo), self._at(lo + 1)
+        return None if a is None or b is None else a + (x - lo) * (b - a)
+
+
 def _proportional(mx: float, my: float) -> float:
     return my / mx if mx > 0 else 0.0
 
@@ -108,13 +144,13 @@ class CostModel:
 
     def __init__(self, on_gpu: bool, top_k: int, initial_acceptance: float):
         self.on_gpu = on_gpu
-        self.verify_alone = LinearFit(_relative(0.02))
-        self.verify_overlapped: dict[int, LinearFit] = {}
+        self.verify_alone = PointFit(_relative(0.02))
+        self.verify_overlapped: dict[int, PointFit] = {}
         self.draft = LinearFit(_proportional)
-        self.verify_alone_with: dict[int, LinearFit] = {}
+        self.verify_alone_with: dict[int, PointFit] = {}
         self.draft_with: dict[int, LinearFit] = {}
         # A batched step over more branches costs more on CPU cores, nearly nothing more on a GPU (prior only).
-        self.tree_step = LinearFit(_relative(0.02 if on_gpu else 0.25))
+        self.tree_step = PointFit(_relative(0.02 if on_gpu else 0.25))
         self.record = Ewma()
         self.overhead: dict[int, Ewma] = {}
         self.top_k = top_k
@@ -190,11 +226,11 @@ class CostModel:
 
     def add_verify(self, n: int, seconds: float, budget: int | None, threads: int = 0) -> None:
         if threads:
-            self.verify_alone_with.setdefault(threads, LinearFit(_relative(0.02))).update(n, seconds)
+            self.verify_alone_with.setdefault(threads, PointFit(_relative(0.02))).update(n, seconds)
         elif budget is None:
             self.verify_alone.update(n, seconds)
         else:
-            self.verify_overlapped.setdefault(budget, LinearFit(_relative(0.02))).update(n, seconds)
+            self.verify_overlapped.setdefault(budget, PointFit(_relative(0.02))).update(n, seconds)
 
     def add_round_outcome(self, option, tokens: int, seconds: float, predicted) -> None:
         sums = self.outcomes.setdefault(option, [0.0] * 5)

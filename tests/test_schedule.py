@@ -89,6 +89,33 @@ def test_model_picks_ar_when_the_draft_does_not_pay():
     assert best_of(costs).kind == "ar"
 
 
+def test_verify_cost_per_candidate_count_is_not_a_line():
+    """The real pair's verify times on this CPU (float32 kernels change with the row count): one token 0.29 s,
+    2-3 tokens 0.62-0.88 s, 5-9 tokens about 0.54 s. A line through the SD rounds' times alone rates an AR step
+    at ~0.55 s; once AR rounds are measured, their own time must answer, and AR wins at this acceptance."""
+    seconds = {0: 0.29, 1: 0.62, 2: 0.88, 3: 0.60}
+    c = CostModel(on_gpu=False, top_k=17, initial_acceptance=0.55)
+    for _ in range(20):
+        for n in range(1, 9):
+            c.add_verify(n, seconds.get(n, 0.54), None)
+            c.draft.update(n, 0.11 * n)
+            c.add_acceptance(2, 4)
+    c.rounds_seen = 100
+    line_only = c.verify(0, None)
+    c.add_verify(0, 0.29, None)
+    c.add_verify(0, 0.29, None)
+    assert line_only > 0.45  # what a line made of it
+    assert c.verify(0, None) == pytest.approx(0.29)
+    assert c.verify(2, None) == pytest.approx(0.88)  # measured points, not the line
+    assert c.verify(1.5, None) == pytest.approx((0.62 + 0.88) / 2)  # fractional: interpolated
+    assert c.verify(12, None) == pytest.approx(c.verify_alone.line.predict(12))  # unmeasured: the line
+    # SD at this acceptance: about 2.5 tokens per 0.44 + 0.54 s (2.6 tok/s) against AR's 3.4 tok/s. (SSD
+    # options are left out: their overlapped costs were not fed.)
+    plain = [o for o in allowed_options(SSDConfig(), "thread", 1) if o.kind != "ssd"]
+    best = Scheduler(SSDConfig(), c, plain, Option("sd", 4), inline=False).best()[0]
+    assert best.kind == "ar", best
+
+
 def test_explicit_values_are_constraints():
     names = {o.kind for o in allowed_options(SSDConfig(), "thread", 1)}
     assert names == {"ar", "sd", "ssd"}
