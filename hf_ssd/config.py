@@ -12,6 +12,7 @@ FANOUTS = ("geometric", "calibrated")
 EVICTIONS = ("lru", "probability")
 LAYOUTS = ("auto", "thread", "stream", "device", "inline")
 SCHEDULES = ("auto", "fixed")
+DRAFT_MATMULS = ("auto", "transposed", "stock")
 
 
 class SSDConfigError(ValueError):
@@ -86,6 +87,11 @@ class SSDConfig:
             measured online (overlapped SSD at some fan-out budget and gamma, plain speculative decoding, or the
             target alone); values set explicitly here are kept as constraints (docs/scheduling.md).
             `"fixed"` always runs overlapped SSD with the values above (the budget default picked by layout).
+        draft_matmul: how the draft's `nn.Linear` layers multiply on CPU during the call (`hf_ssd/matmul.py`).
+            `"auto"` (default): float32 CPU layers compute few-row products as (W @ x^T)^T, which torch's CPU
+            kernels run about twice as fast as `linear` for 1-8 rows; `"transposed"`: that for every
+            floating-point CPU layer; `"stock"`: the draft runs as given. Never the target (its computation
+            stays exactly transformers'), and restored when the call ends.
     """
 
     gamma: int = 4
@@ -107,6 +113,7 @@ class SSDConfig:
     static_draft: bool | None = None
     cuda_graphs: bool | None = None
     schedule: Literal["auto", "fixed"] = "auto"
+    draft_matmul: Literal["auto", "transposed", "stock"] = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -186,6 +193,7 @@ class SSDConfig:
             raise SSDConfigError("SSDConfig.cuda_graphs=True needs the static draft path: CUDA graphs replay fixed "
                                  "shapes. Remove static_draft=False (or set cuda_graphs=False).")
         _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("draft_matmul", self.draft_matmul, DRAFT_MATMULS)
         if self.pipeline_depth > 1:
             if self.layout == "inline":
                 raise SSDConfigError("SSDConfig.pipeline_depth > 1 needs an overlapping layout: with layout='inline' "

@@ -27,6 +27,7 @@ from .costs import cost_model_for
 from .generator import SSDCandidateGenerator
 from .kvcache import check_draft, stateful_reason
 from .layouts import resolve_layout, thread_settings
+from .matmul import draft_matmul
 from .probe import probe_draft
 from .stats import SSDStats
 
@@ -140,7 +141,7 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     if getattr(_active, "call", None) is not None:
         raise SSDUsageError("generate(ssd_config=...) is not re-entrant on one thread.")
     start = time.perf_counter()
-    with thread_settings(layout, config, model) as cpu_threads:
+    with thread_settings(layout, config, model) as cpu_threads, draft_matmul(draft, config.draft_matmul, model):
         call["cpu_threads"] = cpu_threads
         _active.call = call
         try:
