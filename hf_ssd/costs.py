@@ -384,14 +384,15 @@ _models_lock = threading.Lock()
 
 
 def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: int,
-                   initial_acceptance: float) -> CostModel:
+                   initial_acceptance: float, draft_matmul: str = "auto") -> CostModel:
     """The estimates of this pair on this device, created on first use; a second call starts informed.
 
-    Keyed on the target object (weakly: they go with it) and the draft's identity, device, layout and mode
-    (acceptance differs between greedy and sampling). The draft is held by id only, so a new draft that reuses
-    a freed one's id inherits its estimates; that costs at most some exploration, never exactness.
+    Keyed on the target object (weakly: they go with it) and the draft's identity, device, layout, mode
+    (acceptance differs between greedy and sampling) and `draft_matmul` (it changes the draft's step times).
+    The draft is held by id only, so a new draft that reuses a freed one's id inherits its estimates; that
+    costs at most some exploration, never exactness.
     """
-    key = (id(draft), str(device), layout, bool(do_sample), top_k)
+    key = (id(draft), str(device), layout, bool(do_sample), top_k, draft_matmul)
     with _models_lock:
         per_target = _models.setdefault(target, {})
         model = per_target.get(key)

@@ -78,7 +78,8 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
 
     def costs(top_k: int):  # the estimates of this pair, kept across calls
         return cost_model_for(self, assistant_model, assistant_model.device, call["layout"],
-                              bool(generation_config.do_sample), top_k, config.initial_acceptance)
+                              bool(generation_config.do_sample), top_k, config.initial_acceptance,
+                              config.draft_matmul)
 
     gen = SSDCandidateGenerator(
         assistant_model, config, generation_config, logits_processor, call["layout"],
