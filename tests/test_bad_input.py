@@ -90,6 +90,7 @@ CONFIG_CASES = [
     ({"pipeline_depth": 2.0}, "SSDConfig.pipeline_depth must be an int"),
     ({"pipeline_depth": 2, "layout": "inline"}, "SSDConfig.pipeline_depth > 1 needs an overlapping layout"),
     ({"pipeline_depth": 2, "static_draft": True}, "SSDConfig.pipeline_depth > 1 needs the dynamic draft path"),
+    ({"draft_matmul": "fast"}, "SSDConfig.draft_matmul must be one of ['auto', 'transposed', 'stock']"),
     ({"eviction": "fifo"}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
     ({"eviction": None}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
     ({"fallback": "beam"}, "SSDConfig.fallback must be one of ['sd', 'short', 'ar', 'ngram']"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..config import EVICTIONS, FALLBACKS, LAYOUTS, SCHEDULES, SSDConfig, SSDConfigError
+from ..config import DRAFT_MATMULS, EVICTIONS, FALLBACKS, LAYOUTS, SCHEDULES, SSDConfig, SSDConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -79,6 +79,8 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
                    help="static-shape draft path (default: auto, on for CUDA drafts)")
     g.add_argument("--cuda-graphs", type=_tristate, default=d.cuda_graphs, metavar="{auto,on,off}",
                    help="CUDA graphs for the static draft steps (default: auto, on for CUDA drafts)")
+    g.add_argument("--draft-matmul", choices=DRAFT_MATMULS, default=d.draft_matmul,
+                   help="the draft's CPU linear layers: auto (float32: the faster transposed product), transposed, stock")
 
 
 def _tristate(text: str):
@@ -91,7 +93,8 @@ def _tristate(text: str):
 def ssd_options(args) -> dict:
     """The SSDConfig fields given on the command line (gamma/layout only where the command has them)."""
     keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "pipeline_depth", "eviction", "fallback", "fallback_gamma",
-            "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs", "schedule"]
+            "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs", "schedule",
+            "draft_matmul"]
     options = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     if options.get("gamma") is None:
         options.pop("gamma", None)  # not given: SSDConfig's default, which the scheduler may tune
