@@ -9,7 +9,9 @@
 --real: the real pair (Qwen2.5-Coder 1.5B / 0.5B) on this CPU, greedy and T=0.7, HumanEval and GSM prompts:
        AR, assisted defaults, assisted 4 and 6 tokens (threshold 0), each at its best torch thread count (probed
        on the first prompt at 1 and 2 threads), against the default SSDConfig(). Wrap in
-       `flock /tmp/realpair.lock` on shared machines (one real-pair process at a time).
+       `flock /tmp/realpair.lock` on shared machines (one real-pair process at a time). --with-stock adds
+       SSDConfig(draft_matmul="stock"): the default's draft runs faster CPU products than the assisted
+       baselines' draft (hf_ssd/matmul.py); this separates that from the scheduler.
 
     python scripts/sched_bench.py --sim
     flock /tmp/realpair.lock python scripts/sched_bench.py --real --prompts 3 --max-new-tokens 64
@@ -59,12 +61,14 @@ def run(method, target, draft, ids, new, sample, seed=0):
         settings = draft_settings(draft, ASSISTED[method])
     elif method == "ssd":
         kw.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0))
+    elif method == "ssd_stock":  # the same, with the draft's stock CPU products (draft_matmul="stock")
+        kw.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0, draft_matmul="stock"))
     torch.manual_seed(seed)
     with settings, torch.inference_mode():
         start = time.perf_counter()
         out = target.generate(ids, **kw)
         seconds = time.perf_counter() - start
-    return out[0, ids.shape[1]:].tolist(), seconds, hf_ssd.last_stats(target) if method == "ssd" else None
+    return out[0, ids.shape[1]:].tolist(), seconds, hf_ssd.last_stats(target) if method.startswith("ssd") else None
 
 
 def measure(method, target, draft, prompts, new, sample):
@@ -165,18 +169,27 @@ def real_bench(args):
                 probe[n] = s
             best_threads[m] = min(probe, key=probe.get)
             print(f"[{mode}] {m}: probe seconds by threads {probe} -> {best_threads[m]} threads")
-        run("ssd", target, draft, warm, args.max_new_tokens, sample)  # warm-up: first estimates of this mode
+        ssds = ["ssd", "ssd_stock"] if args.with_stock else ["ssd"]
+        for m in ssds:
+            run(m, target, draft, warm, args.max_new_tokens, sample)  # warm-up: first estimates of this mode
         for name, prompts in sets.items():
             rates, outs = {}, {}
             for m in baselines:
                 with threads(best_threads[m]):
                     rates[m], outs[m], _ = measure(m, target, draft, prompts, args.max_new_tokens, sample)
+            if args.with_stock:
+                rates["ssd_stock"], outs["ssd_stock"], stock_shares = measure("ssd_stock", target, draft, prompts,
+                                                                              args.max_new_tokens, sample)
             rates["ssd"], outs["ssd"], shares = measure("ssd", target, draft, prompts, args.max_new_tokens, sample)
             best = max(ASSISTED, key=rates.get)
             print(f"[{mode}] {name} ({len(prompts)} prompts x {args.max_new_tokens} tokens): " +
                   ", ".join(f"{m} {r:.2f}" for m, r in rates.items()) + " tok/s")
             print(f"[{mode}] {name}: SSDConfig() = {rates['ssd'] / rates[best]:.3f}x best assisted ({best}), "
                   f"{rates['ssd'] / rates['ar']:.3f}x AR | options by round time: {fmt_shares(shares)}")
+            if args.with_stock:
+                print(f"[{mode}] {name}: SSDConfig(draft_matmul='stock') = "
+                      f"{rates['ssd_stock'] / rates[best]:.3f}x best assisted, {rates['ssd_stock'] / rates['ar']:.3f}x AR; "
+                      f"draft_matmul's share: {rates['ssd'] / rates['ssd_stock']:.3f}x | {fmt_shares(stock_shares)}")
             if not sample:
                 same = all(outs[m] == outs["ar"] for m in outs)
                 print(f"[{mode}] {name}: greedy outputs identical across methods: {same}")
@@ -191,6 +204,9 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--datasets", type=lambda s: s.split(","), default=["humaneval", "gsm"])
     p.add_argument("--modes", choices=("greedy", "sample", "both"), default="both")
+    p.add_argument("--with-stock", action="store_true",
+                   help="also time SSDConfig(draft_matmul='stock'): the scheduler's gain without the draft's faster "
+                        "CPU products")
     p.add_argument("--probe-tokens", type=int, default=32, help="new tokens of the thread-count probe")
     p.add_argument("--sim-verify-ms", type=float, default=40.0, help="simulated verify time")
     p.add_argument("--sim-noise", type=float, default=0.003, help="tiny draft weight noise (agreement)")
