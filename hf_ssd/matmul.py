@@ -1,11 +1,11 @@
 """The draft's linear layers on CPU: the same product, computed the way the CPU kernels run it fastest.
 
 Why: torch's CPU float32 `linear` (x @ W^T) on a few rows takes a matrix-vector path per row. Measured on the
-2-core machine this project runs on (torch 2.13, a 8960 x 1536 weight, many copies so nothing stays in cache):
-1 row 2.6 ms, 2 rows 5.3 ms, 3 rows 7.9 ms, 4-8 rows 4.5-4.8 ms; the same product as (W @ x^T)^T takes
-1.3-1.9 ms for 2-4 rows and 3.6-4.3 ms for 5-8. A draft decodes one row per step (padded here to two) and
-pre-drafts a few branches per batched step, so its steps get about 1.7x (1 row) to 2x (2-4 rows) faster with
-the real pair's draft (Qwen2.5-Coder 0.5B: 0.11 -> 0.065 s per one-token step, docs/performance.md).
+2-core machine this project runs on (`python scripts/matmul_bench.py --real`, torch 2.13, an 8960 x 1536
+weight, 30 copies so nothing stays in cache): `linear` 3.6 / 5.6 / 8.7 / 5.3 ms for 1 / 2 / 3 / 4 rows, the same
+product as (W @ x^T)^T 1.2-1.9 ms (2.8-4.7x); 1.1-1.5x for 5-8 rows, equal at 16. With the real pair's draft
+(Qwen2.5-Coder 0.5B) a one-token step takes 0.062 s instead of 0.122 s and a 2-4-row batched step 0.064-0.080 s
+instead of 0.21-0.34 s (docs/performance.md).
 
 Only the draft, never the target: the draft only proposes. Greedy identity rests on the target's own argmax,
 and speculative sampling on the draft's probabilities as computed for the proposal, whatever their last
