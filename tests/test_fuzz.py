@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hf_ssd import LayoutError, SSDConfig, SSDConfigError, SSDUsageError, last_stats
-from hf_ssd.config import EVICTIONS, FALLBACKS, LAYOUTS, SCHEDULES
+from hf_ssd.config import DRAFT_MATMULS, EVICTIONS, FALLBACKS, LAYOUTS, SCHEDULES
 
 DOCUMENTED = (SSDConfigError, SSDUsageError, LayoutError)
 SCALE = float(os.environ.get("HF_SSD_FUZZ_SCALE", "1"))
@@ -96,6 +96,7 @@ def ssd_configs(draw) -> SSDConfig:
         record_timeline=draw(st.booleans()),
         static_draft=draw(st.none() | st.booleans()),  # on CPU: None is the dynamic path, True the static one
         schedule=draw(st.sampled_from(SCHEDULES)),
+        draft_matmul=draw(st.sampled_from(DRAFT_MATMULS)),  # "transposed": the fast product on the float64 draft
     )
 
 
@@ -215,6 +216,7 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "static_draft": st.none() | st.booleans(),
     "cuda_graphs": st.none() | st.booleans(),
     "schedule": st.sampled_from(SCHEDULES),
+    "draft_matmul": st.sampled_from(DRAFT_MATMULS),
 }
 assert set(VALID) == set(SSDConfig.__dataclass_fields__)
 
