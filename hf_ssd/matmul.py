@@ -22,7 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8  # above this the stock kernel is as fast (measured: 16 rows 4.8 vs 4.3 ms, 32+ stock wins)
+MAX_ROWS = 8  # above this the stock kernel is as fast (measured: 1.1x at 8 rows, equal at 16)
 
 _lock = threading.Lock()
 _active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> [calls using it, {module: forward}]
