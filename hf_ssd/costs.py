@@ -17,6 +17,7 @@ POSITION_PRIOR = 2.0
 CONFIDENCE_BINS = 20
 CONFIDENCE_DECAY = 0.97
 NEW_CALL_KEEP = 0.5  # weight of earlier calls' acceptance statistics when a new call starts
+MISS_PRIOR = 2.0  # predicted misses a budget's own miss ratio needs to outweigh the pooled one
 
 
 class Ewma:
@@ -130,8 +131,8 @@ class CostModel:
       adds to the next round besides drafting (waiting for its current step, adopting a branch; with
       layout "inline" the whole job).
     - `ranks`: where the target's bonus token ranked among the draft's top tokens (the last cell: not among
-      them), from which the hit rate of any fan-out budget is predicted; `hits[b]` / `expected[b]` calibrate
-      that prediction against the measured hits of budget b.
+      them), from which the hit rate of any fan-out budget is predicted; `misses[b]` / `expected_misses[b]`
+      calibrate that prediction against the measured misses of budget b (`miss_ratio`).
     - `acceptance`: per-token acceptance rate.
     - `position_tried[j]` / `position_accepted[j]`: per draft position j (1-based), decayed counts of rounds
       that drafted at least j tokens and accepted the first j - 1 (tried), and of those that accepted j too:
@@ -158,8 +159,8 @@ class CostModel:
         self.ranks = [0.0] * (top_k + 1)
         self.ranks[0], self.ranks[1], self.ranks[top_k] = 3.0, 1.0, 1.0
         self.rank_decay = 0.98
-        self.hits: dict[int, float] = {}
-        self.expected: dict[int, float] = {}
+        self.misses: dict[int, float] = {}
+        self.expected_misses: dict[int, float] = {}
         self.accepted = initial_acceptance * 4.0
         self.tried = 4.0
         self.positions = [0.0] * (MAX_POSITION + 1)  # index j: rounds that tried position j (1-based)
@@ -221,8 +222,8 @@ class CostModel:
         self.ranks[self.top_k if rank is None or rank >= self.top_k else rank] += 1.0
 
     def add_lookup(self, budget: int, hit: bool, predicted: float) -> None:
-        self.hits[budget] = 0.95 * self.hits.get(budget, 0.0) + float(hit)
-        self.expected[budget] = 0.95 * self.expected.get(budget, 0.0) + predicted
+        self.misses[budget] = 0.95 * self.misses.get(budget, 0.0) + float(not hit)
+        self.expected_misses[budget] = 0.95 * self.expected_misses.get(budget, 0.0) + 1.0 - predicted
 
     def add_verify(self, n: int, seconds: float, budget: int | None, threads: int = 0) -> None:
         if threads:
@@ -318,16 +319,29 @@ class CostModel:
         total = sum(self.ranks)
         return sum(self.ranks[: min(f, self.top_k)]) / total if total > 0 else 0.0
 
-    def calibration(self, budget: int) -> float:
-        """Measured hits over predicted hits for this budget (1 when unmeasured), with a prior of 2 rounds."""
-        return (self.hits.get(budget, 0.0) + 2.0) / (self.expected.get(budget, 0.0) + 2.0)
+    def miss_ratio(self, budget: int) -> float:
+        """Measured misses over the model's predicted misses for this budget.
 
-    def _nearest(self, table: dict, budget: int):
+        Misses, not hits: where hits are near certain their ratio cannot tell budgets apart, while one miss in
+        twenty against one predicted in fifty is a factor 2.5 that says what a wider fan-out is worth. Shrunk
+        towards the ratio pooled over all budgets (by MISS_PRIOR predicted misses), so that a budget measured
+        in a few rounds, or never, takes the model's shape scaled by what the others showed.
+        """
+        pooled = (sum(self.misses.values()) + MISS_PRIOR) / (sum(self.expected_misses.values()) + MISS_PRIOR)
+        return (self.misses.get(budget, 0.0) + MISS_PRIOR * pooled) / (self.expected_misses.get(budget, 0.0)
+                                                                      + MISS_PRIOR)
+
+    @staticmethod
+    def _nearest_key(table: dict, budget: int):
         if budget in table:
-            return table[budget]
+            return budget
         if not table:
             return None
-        return table[min(table, key=lambda b: (abs(math.log2(max(b, 1)) - math.log2(max(budget, 1))), b))]
+        return min(table, key=lambda b: (abs(math.log2(max(b, 1)) - math.log2(max(budget, 1))), b))
+
+    def _nearest(self, table: dict, budget: int):
+        key = self._nearest_key(table, budget)
+        return None if key is None else table[key]
 
     def add_draft(self, n: int, seconds: float, threads: int = 0) -> None:
         (self.draft_with.setdefault(threads, LinearFit(_proportional)) if threads else self.draft).update(n, seconds)
@@ -374,7 +388,7 @@ class CostModel:
             "record_s": r(self.record.value),
             "overhead_s": {b: r(self.overhead_for(b)) for b in budgets},
             "bonus_in_top": {f: round(self.coverage(f), 4) for f in (1, 2, 4, 8) if f <= self.top_k},
-            "hit_calibration": {b: round(self.calibration(b), 3) for b in budgets},
+            "miss_ratio": {b: round(self.miss_ratio(b), 3) for b in budgets},
             "rounds_seen": self.rounds_seen,
         }
 

@@ -25,6 +25,10 @@ from .outcomes import Outcome
 
 TopProbs = tuple[torch.Tensor, torch.Tensor]  # (probabilities, token ids), most likely first
 
+# Warpers that look at the scores only (never at input_ids): they can run on all rows of a step at once.
+CONTEXT_FREE = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"}
+
 
 __all__ = ["BranchState", "DraftResult", "Drafter", "TreeBatch", "Unfinished", "UnsupportedDraftError"]
 
@@ -127,6 +131,9 @@ class Drafter:
         self.out_vocab = out_vocab or model.config.get_text_config().vocab_size
         self.device = model.device
         self.processor = logits_processor
+        procs = list(logits_processor or [])
+        self._procs = bool(procs)
+        self._context_free = all(type(p).__name__ in CONTEXT_FREE for p in procs)
         self.do_sample = do_sample
         self.top_k = max(1, top_k)
         self.saguaro_c = saguaro_c if do_sample else None
@@ -174,6 +181,17 @@ class Drafter:
             ids = torch.tensor([context], dtype=torch.long, device=logits.device)
             scores = self.processor(ids, scores.clone())
         return scores[0]
+
+    def _probs_rows(self, contexts: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+        """`_probs_for` of every row of a batched step ([rows, V]) at once where the processors allow it: the
+        per-row work of a wide tree step would otherwise sit between its forwards (and, after the last one, on
+        the critical path)."""
+        if not self._procs:
+            return torch.softmax(logits, dim=-1)
+        if self._context_free:
+            ids = torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device)  # never read
+            return torch.softmax(self.processor(ids, logits.clone()), dim=-1)
+        return torch.stack([self._probs_for(c, row) for c, row in zip(contexts, logits)])
 
     def _top(self, probs: torch.Tensor) -> TopProbs:
         values, ids = probs.topk(min(self.top_k, probs.numel()))
@@ -269,12 +287,21 @@ class Drafter:
             return  # e.g. an adopted branch that was fully fed during pre-drafting
         self.sync(context, record_from)
 
+    def holds_but_last(self, context: list[int], candidates: list[int]) -> bool:
+        """Whether the trunk holds `context` and every candidate but the last, with the draft's top lists from
+        the context's last position on. Then a job needs no record forward: the last candidate is fed by a row of
+        the first tree step (`tree_steps(last=...)`), in the same forward as the other branches."""
+        n = len(context) + len(candidates) - 1
+        return (bool(candidates) and len(self.ids) == n and self.ids == context + candidates[:-1]
+                and all(p in self.top for p in range(len(context) - 1, n)))
+
     def candidate_tops(self, context_len: int, n: int) -> list[TopProbs]:
         """Top probabilities predicting candidates 1..n and the token after them (trunk must hold them)."""
         return [self.top[context_len - 1 + j] for j in range(n + 1)]
 
     # ----- batched pre-drafting ---------------------------------------------------------------------------
     supports_depth = True  # fork_tree and unfinished rows (the static path's tree buffers hold one round)
+    defers_record = True  # tree_steps(last=...): the static path records with a forward of its own
 
     def _gather(self, rows: list[tuple[object, torch.Tensor, int, int, int]], width: int | None = None):
         """A batched cache whose row i holds `length_i` sequence positions of a source row, right-aligned.
@@ -358,6 +385,7 @@ class Drafter:
         should_stop: Callable[[], bool],
         on_step: Callable[[int], None] | None = None,
         grow: Callable[[list[BranchState], list[DraftResult]], list[tuple[int, Outcome]]] | None = None,
+        last: tuple[int, Callable[[TopProbs, int | None], tuple[float, list[Outcome]]]] | None = None,
     ) -> list[tuple[BranchState, DraftResult]]:
         """Draft up to gamma tokens for every outcome, one batched forward per token, stopping early on request.
 
@@ -368,6 +396,12 @@ class Drafter:
         `grow`, called after every step, may return children (parent row, (k, bonus)) to add to the batch at
         once: rows for the round after, under a parent whose first k tokens and distribution at k exist
         already, so that they draft in the same forwards as their parents (returned after the first rows).
+
+        `last` = (r, extra): row r is the outcome (g - 1, c_g), g candidates with c_g the last: its prefix is the
+        trunk and its first feed c_g, whose distribution predicts the bonus of outcome k = g (the record forward,
+        riding in the first step). After that step the row goes on as the branch of outcome (g, t), t its first
+        drafted token (the same computation), and `extra(top, t)` returns (P(g, t), more outcomes (g, bonus)),
+        whose rows join from the next step on.
         """
         states, results, rows, contexts, pos = [], [], [], [], []
 
@@ -395,21 +429,30 @@ class Drafter:
             # Position ids: sequence index less the masked prompt columns.
             positions = (torch.tensor(pos, device=self.device) - self.view.shift()).unsqueeze(1)
             logits = self._forward(feed, positions, tree.cache, tree.mask)
+            probs = self._probs_rows(contexts, logits[:, -1])
+            values, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+            values, ids = values.cpu(), ids.cpu()
+            greedy = None if self.do_sample else probs.argmax(-1).tolist()
             for r in range(b):
                 pos[r] += 1
                 if states[r].fed >= gamma + 1:  # done: a filler feed (its last token again), nothing recorded
                     continue
-                probs = self._probs_for(contexts[r], logits[r, -1])
-                states[r].top[pos[r] - 1] = self._top(probs)
+                states[r].top[pos[r] - 1] = (values[r], ids[r])
                 states[r].fed += 1
                 tokens = results[r].tokens
                 if len(tokens) >= gamma:
                     continue
-                token, logq = self._choose(probs, fanout[len(tokens)] if len(tokens) < len(fanout) else 0)
+                if greedy is not None:
+                    token, logq = greedy[r], None
+                else:
+                    token, logq = self._choose(probs[r], fanout[len(tokens)] if len(tokens) < len(fanout) else 0)
                 tokens.append(token)
                 if logq is not None:
                     rows[r].append(logq)
                 contexts[r].append(token)
+            if last is not None:
+                self._rebase_last(tree, last, states, results, rows, pos, add)
+                last = None
             if on_step is not None:
                 on_step(len(tree.mask[0]) - tree.width - 1)
             children = grow(states, results) if grow is not None else []
@@ -423,8 +466,10 @@ class Drafter:
                 results[r].logits = torch.stack(rows[r])
         return list(zip(states, results))
 
-    def _append_rows(self, tree: TreeBatch, children: list[tuple[BranchState, list[int], Outcome]]) -> None:
-        """Add rows for children of rows of `tree` to it, aligned with its columns so far."""
+    def _append_rows(self, tree: TreeBatch, children: list[tuple[BranchState, list[int], Outcome]],
+                     prefixes=None) -> None:
+        """Add rows for children of rows of `tree` to it, aligned with its columns so far. `prefixes`: their
+        (prefix, prefix_top) lists when the caller has them (default: built from the parents)."""
         cache, mask, _, offsets = self._gather(_child_sources(children), tree.mask.shape[1])
         for layer, new in zip(tree.cache.layers, cache.layers):
             if holds_tensors(layer):
@@ -432,10 +477,34 @@ class Drafter:
                 layer.values = torch.cat([layer.values, new.values])
         tree.mask = torch.cat([tree.mask, mask])
         tree.offsets += offsets
-        prefix, tops = _child_prefixes(children)
+        prefix, tops = prefixes if prefixes is not None else _child_prefixes(children)
         tree.prefix += prefix
         tree.prefix_top += tops
         tree.pre += [None] * len(children)
+
+    def _rebase_last(self, tree: TreeBatch, last, states, results, rows, pos, add) -> None:
+        """After the first step: the `last` row has fed c_g; add the rows of more k = g outcomes, then make it the
+        branch of (g, its first drafted token). See `tree_steps`."""
+        r, extra = last
+        st = states[r]
+        fed_at = pos[r] - 1  # c_g's sequence index: its top list predicts the bonus of k = g
+        top = st.top[fed_at]
+        first = results[r].tokens[0] if results[r].tokens else None
+        prob, more = extra(top, first)
+        if more:
+            head = len(states)
+            prefix = tree.prefix[r] + [st.outcome.bonus]
+            # The tree's copy of the trunk's top lists serves them as it serves row r (read below a row's start).
+            self._append_rows(tree, [(st, [], Outcome(0, o.bonus)) for o in more],
+                              ([list(prefix) for _ in more], [tree.prefix_top[r]] * len(more)))
+            for i, o in enumerate(more):
+                add(head + i, o, None)
+        if first is not None:  # the same computation as a row of (g, first) that fed its bonus next
+            tree.prefix[r] = tree.prefix[r] + [st.outcome.bonus]
+            st.outcome = Outcome(st.outcome.accepted + 1, first, prob)
+            st.fed = 0
+            results[r].tokens = []
+            rows[r] = []
 
     def adopt(self, state: BranchState, tokens: list[int]) -> None:
         """Make the trunk the branch's cache: the row's prefix, then bonus + drafts.

@@ -30,11 +30,18 @@ from .drafter import Unfinished
 from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import Outcome, predict_outcomes
-from .predictor import calibration_for, drafted_probs, rank_outcomes
+from .predictor import calibration_for, drafted_probs, length_probs, rank_outcomes
 from .schedule import Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
 from .stats import SSDStats
+
+
+def _placeholder(top):
+    """A top list with `top`'s probabilities and ids no token has: it sizes the k = g share of a job's budget
+    before the draft's distribution after the last candidate is known."""
+    values, ids = top
+    return values, -1 - torch.arange(len(ids))
 
 
 class SSDCandidateGenerator(CandidateGenerator):
@@ -62,7 +69,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         # On a CPU shared with other work, one thread can beat all cores: AR and SD may also run with one.
         self.cpu_threads = cpu_threads
         fewer = (1,) if layout == "thread" and not config.is_set("cpu_threads") and (cpu_threads or 1) > 1 else ()
-        self.options = allowed_options(config, layout, fixed_budget, fewer)
+        # The static path preallocates its tree for the widest option (rows x max_length columns on the device):
+        # it keeps budgets up to 16.
+        static, _ = config.resolved_draft_path(on_gpu)
+        self.options = allowed_options(config, layout, fixed_budget, fewer, wide=not static)
         fanout_max = max(config.fanout) if isinstance(config.fanout, list) else 0
         top_k = max([fanout_max] + [o.budget for o in self.options]) + 1  # before any filter: keys the estimates
         if "options" in self.hooks:  # `hf-ssd tune` and tests measure chosen options one at a time
@@ -96,7 +106,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         # fanout="calibrated": P(accept | the draft's probability) learned from verifications, kept per draft.
         self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
                             if config.fanout == "calibrated" else None)
-        self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline")
+        self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline",
+                                   deferred_record=self.depth == 1 and getattr(self.drafter, "defers_record", False))
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
         self.round = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (context, candidates) being verified
@@ -307,6 +318,29 @@ class SSDCandidateGenerator(CandidateGenerator):
     def _p_accept(self, alpha: float):
         return self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
 
+    def _last_row(self, candidates: list[int], tops, alpha: float, share: int, info: dict):
+        """(row outcome, rows, extra, joined) for `Drafter.tree_steps(last=...)`: the row feeding the last
+        candidate and, once it has, the `share` likeliest outcomes (g, bonus), its own first token being one of
+        them; `joined[0]`: how many rows joined after the first step."""
+        g = len(candidates)
+        if self.calibration is not None:
+            p_all = length_probs([self.calibration.p_accept(q) for q in drafted_probs(candidates, tops[:g])])[g]
+        else:
+            p_all = alpha**g  # P(all g accepted) under the fan-out's i.i.d. acceptance
+
+        joined = [0]
+
+        def extra(top, first):
+            info["tops"][g] = top  # where a k = g bonus ranks is measured too
+            values, ids = top[0].tolist(), top[1].tolist()
+            mass = sum(values) or 1.0
+            prob = p_all * values[ids.index(first)] / mass if first in ids else 0.0
+            more = [Outcome(g, t, p_all * v / mass) for v, t in zip(values, ids) if t != first and t not in self.eos]
+            joined[0] = len(more[: share - 1])
+            return prob, more[: share - 1]
+
+        return Outcome(g - 1, candidates[-1], p_all), share, extra, joined
+
     def _submit(self, context: list[int], candidates: list[int], alpha: float, option: Option) -> None:
         round_id = self.round
         g = len(candidates)
@@ -316,7 +350,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         limit = self._outcome_limit(budget)
         info: dict = {}
         self._job_info, self._job_budget = info, budget
-        self._job_predicted = self.scheduler.hit_rate(budget, g, self.costs.acceptance) if budget > 0 else 0.0
+        # Uncalibrated: the calibration is measured hits over the model's own predictions (a calibrated one
+        # would only correct the model by the square root of its error).
+        self._job_predicted = (self.scheduler.hit_rate(budget, g, self.costs.acceptance, calibrated=False)
+                               if budget > 0 else 0.0)
         # When the outcome is expected: the last, optional step (feeding the gamma-th token) is skipped if it
         # would not finish by then, since the caller would wait for it (an unfinished step cannot be cut).
         verify_s = self.costs.verify(g, None if self.scheduler.inline else budget)
@@ -327,24 +364,47 @@ class SSDCandidateGenerator(CandidateGenerator):
             # 1. Outcome prediction: draft distributions at every candidate position and after the last.
             self._hook("predict")
             t0 = time.perf_counter()
-            self.drafter.record(context + candidates, record_from=len(context) - 1)
-            tops = self.drafter.candidate_tops(len(context), g)
+            # The trunk usually lacks only the last candidate (a branch's last token is drafted, not fed): then
+            # that token is fed by a row of the first tree step instead of a record forward of its own, and the
+            # outcomes k < g, known now, get that step too (docs/scheduling.md, "the last candidate").
+            deferred = (self.depth == 1 and getattr(self.drafter, "defers_record", False)
+                        and self.drafter.holds_but_last(context, candidates))
+            if deferred:
+                tops = [self.drafter.top[len(context) - 1 + j] for j in range(g)] + [None]
+            else:
+                self.drafter.record(context + candidates, record_from=len(context) - 1)
+                tops = self.drafter.candidate_tops(len(context), g)
             info["tops"], info["record_s"] = tops, time.perf_counter() - t0
+            # Deferred, the budget is split as if the draft's distribution after the last candidate had the shape
+            # of the one before it; its real top tokens fill the k = g share after the first step.
+            ranked = tops[:g] + [_placeholder(tops[g - 1])] if deferred else tops
             # Branches a deeper level of the previous job drafted for this round (promoted on its hit) are extra:
             # the budget goes to the likeliest outcomes not held yet.
             extra = self.cache.held(round_id)
             if self.calibration is not None:  # ranked overall by P(k) * P(bonus | k), not split per k first
-                outcomes = rank_outcomes(candidates, tops, self.calibration, min(budget, limit) + extra)
+                outcomes = rank_outcomes(candidates, ranked, self.calibration, min(budget, limit) + extra)
             elif extra:
-                outcomes = predict_outcomes(candidates, tops, self._fanout(budget + extra, g, alpha), alpha,
+                outcomes = predict_outcomes(candidates, ranked, self._fanout(budget + extra, g, alpha), alpha,
                                             limit + extra)
             else:
-                outcomes = predict_outcomes(candidates, tops, fanout, alpha, limit)
+                outcomes = predict_outcomes(candidates, ranked, fanout, alpha, limit)
             # Outcomes that end the generation (EOS bonus, length budget spent) need no next round.
             outcomes = [
                 o for o in outcomes if o.bonus not in self.eos and len(context) + o.accepted + 2 < self.max_length
             ]
-            self.stats.outcomes_predicted += len(outcomes)
+            last = None
+            if deferred:
+                share = sum(o.accepted == g for o in outcomes)  # the k = g outcomes the budget wants
+                outcomes = [o for o in outcomes if o.accepted < g]
+                if share == 0 and min(budget, limit) >= 2 and outcomes and len(context) + g + 2 < self.max_length:
+                    # The row feeding the last candidate also drafts the branch of (g, the draft's own choice):
+                    # worth a row even when the stand-in distribution ranked k = g low (it was only a guess).
+                    if len(outcomes) >= min(budget, limit):
+                        outcomes.pop()
+                    share = 1
+                if share:
+                    last = self._last_row(candidates, tops, alpha, share, info)
+            self.stats.outcomes_predicted += len(outcomes) + (last[1] if last else 0)
             # Outcomes a deeper level of an earlier job already drafted in full (promoted on its hit) stay as
             # they are; they take this job's estimate of their probability.
             held, todo, unfinished = [], [], []
@@ -358,14 +418,17 @@ class SSDCandidateGenerator(CandidateGenerator):
                     unfinished.append((o, Unfinished(branch.state, branch.tokens, branch.logits)))
                 elif len(todo) < min(budget, limit):
                     todo.append(o)
-            if not outcomes:
+            if last is not None:
+                todo.append(last[0])
+            if not outcomes and last is None:
                 return
-            steps, last = [], [time.perf_counter()]
+            steps, stamp = [], [time.perf_counter()]
 
             def on_step(j):  # the job's own step timings, read by the caller after collect
                 t = time.perf_counter()
-                steps.append((width[0], t - last[0]))
-                last[0] = t
+                steps.append((width[0], t - stamp[0]))
+                stamp[0] = t
+                width[0] = len(tree.prefix)  # rows joined after a step (k = g, grown children) count from the next
 
             rows = todo + [o for o, _ in unfinished]
             width = [len(rows)]
@@ -393,18 +456,21 @@ class SSDCandidateGenerator(CandidateGenerator):
                         grown.extend(new)
                         return [(r, o) for _, r, o in new]
 
-                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step,
-                                                  **({"grow": grow} if grow is not None else {}))
+                kw = {"grow": grow} if grow is not None else {}
+                if last is not None:
+                    kw["last"] = (len(todo) - 1, last[2])
+                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step, **kw)
                 # 3. Cache insert.
                 self._hook("insert")
-                for r, (state, result) in enumerate(drafted[: len(rows)]):
+                own = len(rows) + (last[3][0] if last is not None else 0)  # with the k = g rows that joined
+                for r, (state, result) in enumerate(drafted[:own]):
                     if result.tokens:
                         o = state.outcome
-                        depth = 2 if r >= len(todo) else 1  # unfinished rows were begun a round ahead
+                        depth = 2 if len(todo) <= r < len(rows) else 1  # unfinished rows were begun a round ahead
                         self._insert(Branch(round_id, o.accepted, o.bonus, o.prob, result.tokens, result.logits, state,
                                             depth=depth))
                         level.append(Parent(state, result.tokens, o.prob, (o.accepted, o.bonus), ()))
-                for (prob, p, o), (state, result) in zip(grown, drafted[len(rows):]):
+                for (prob, p, o), (state, result) in zip(grown, drafted[own:]):
                     if result.tokens:
                         head = (rows[p].accepted, rows[p].bonus)
                         self._insert(Branch(round_id, *head, prob, result.tokens, result.logits, state,
@@ -425,7 +491,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.stats.outcomes_predicted += len(children)
                 if not children:
                     break
-                width[0], last[0] = len(children), time.perf_counter()
+                width[0], stamp[0] = len(children), time.perf_counter()
                 tree = self.drafter.fork_tree([(p.state, p.tokens, o) for _, p, o in children])
                 drafted = self.drafter.tree_steps(tree, [o for _, _, o in children], gamma, next_fanout,
                                                   deeper_stop, on_step)

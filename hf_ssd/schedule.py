@@ -26,6 +26,10 @@ from .costs import CostModel
 from .fanout import geometric_fanout
 
 AUTO_BUDGETS = (1, 2, 4, 8, 16)
+# Wider fan-outs pay only where a batched step over many branches costs about one branch (an idle accelerator).
+# They are never explored blind: the model picks them once the measured step costs of the narrower budgets
+# extrapolate to cheap wide steps (on CPU cores they extrapolate to costly ones and are never chosen).
+WIDE_BUDGETS = (32, 64)
 AUTO_GAMMAS = tuple(range(1, 9))
 CONFIDENCE_CAP = 16  # most tokens a confidence-stopped SD round drafts
 CONFIDENCE_STOPS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # thresholds the scheduler may pick (multiples of 0.05)
@@ -78,7 +82,8 @@ def expected_tokens(n: int, alpha: float) -> float:
     return (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
 
 
-def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple[int, ...] = ()) -> list[Option]:
+def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple[int, ...] = (),
+                    wide: bool = True) -> list[Option]:
     """The options the scheduler may pick; explicit settings are constraints.
 
     - schedule="fixed": only SSD with the configured gamma and budget (today's behaviour).
@@ -86,15 +91,15 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
     - a fan-out set (fanout list or fanout_budget) or a layout set: the user asked for the speculator, so only
       SSD options (at that fan-out); the scheduler still tunes gamma where it is not set.
     - otherwise: AR, SD, confidence-stopped SD (up to CONFIDENCE_CAP tokens, thresholds CONFIDENCE_STOPS) and
-      SSD at budgets 1..16 (within the cache size); `fewer_threads` adds AR and both SD kinds at those thread
-      counts (CPU thread layout with `cpu_threads` unset).
+      SSD at budgets 1..16, and 32 and 64 with `wide` (within the cache size); `fewer_threads` adds AR and both
+      SD kinds at those thread counts (CPU thread layout with `cpu_threads` unset).
     """
     gammas = (config.gamma,) if config.is_set("gamma") or config.is_set("fanout") else AUTO_GAMMAS
     if config.schedule == "fixed":
         return [Option("ssd", config.gamma, fixed_budget)]
     if config.is_set("fanout") or config.is_set("fanout_budget"):
         return [Option("ssd", g, fixed_budget) for g in gammas]
-    budgets = [b for b in AUTO_BUDGETS if b <= config.cache_size]
+    budgets = [b for b in AUTO_BUDGETS + (WIDE_BUDGETS if wide else ()) if b <= config.cache_size]
     ssd = [Option("ssd", g, b) for b in budgets for g in gammas]
     if config.is_set("layout"):
         return ssd
@@ -106,8 +111,12 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
 
 
 class Scheduler:
-    def __init__(self, config, costs: CostModel, options: list[Option], default: Option, inline: bool):
+    def __init__(self, config, costs: CostModel, options: list[Option], default: Option, inline: bool,
+                 deferred_record: bool = False):
         self.config = config
+        # Jobs feed the last candidate in their first tree step (generator, "the last candidate"): branches of
+        # the outcome k = g then start a step after the others.
+        self.deferred_record = deferred_record and not inline
         self.costs = costs
         self.options = options
         self.default = default
@@ -122,7 +131,8 @@ class Scheduler:
         self._queue: list[Option] = []
         if costs.rounds_seen == 0:
             self._queue = [default, default] + [
-                self._pick_gamma(fam, default.gamma) for name, fam in families.items() if name != default.family
+                self._pick_gamma(fam, default.gamma) for name, fam in families.items()
+                if name != default.family and fam[0].budget not in WIDE_BUDGETS
             ]
 
     @staticmethod
@@ -131,12 +141,14 @@ class Scheduler:
         return min(family, key=lambda o: (abs(o.gamma - gamma), abs(o.stop - 0.4)))
 
     # ----- model ----------------------------------------------------------------------------------------------
-    def hit_rate(self, budget: int, gamma: int, alpha: float) -> float:
+    def hit_rate(self, budget: int, gamma: int, alpha: float, calibrated: bool = True) -> float:
         """P(the cache holds the real outcome) for a job of this budget, from the measured bonus ranks.
 
         Outcome (k accepted, bonus) is pre-drafted when the bonus is among the F_k most likely draft tokens at
-        position k, F = the geometric fan-out of the budget; summed over P(k) and calibrated by the measured
-        hits of that budget (which also counts jobs the outcome cut short before a branch existed).
+        position k, F = the geometric fan-out of the budget; summed over P(k), and its miss probability scaled by
+        the measured misses against predicted ones (`CostModel.miss_ratio`; misses also count jobs the outcome
+        cut short before a branch existed).
+        `calibrated=False`: the model's own prediction, the one the calibration compares hits with.
         """
         if isinstance(self.config.fanout, list):
             fanout = self.config.fanout[: gamma + 1]
@@ -144,7 +156,8 @@ class Scheduler:
             fanout = geometric_fanout(budget, alpha, gamma)
         # P(k) from the measured per-position acceptance; the fan-out split is the job's (i.i.d. in alpha).
         p = sum(pk * self.costs.coverage(f) for pk, f in zip(self.costs.length_probs(gamma), fanout))
-        return min(1.0, p * self.costs.calibration(budget))
+        p = min(1.0, p)
+        return max(0.0, 1.0 - (1.0 - p) * self.costs.miss_ratio(budget)) if calibrated else p
 
     def _expected(self, n: float, alpha: float | None) -> float:
         return self.costs.expected_tokens(n) if alpha is None else expected_tokens(n, alpha)
@@ -190,13 +203,20 @@ class Scheduler:
         step = c.tree_step.predict(max(b, 1))
         if tv is None or fb is None:
             return None
-        p = self.hit_rate(b, g, c.acceptance if a is None else a) if b > 0 else 0.0
         # A hit returns the tokens pre-drafted by the time the outcome arrived (the job stops at the next step):
         # with overlap, about (verify - record) / step of them; inline, the whole branch.
-        n_hit = g
+        n_hit, steps = g, None
         if not self.inline and step is not None:
-            n_hit = min(g, max(1, math.ceil(max(0.0, tv - (c.record.value or 0.0)) / step)))
-        tokens = p * self._expected(n_hit, alpha) + (1.0 - p) * fb[0]
+            steps = max(1, math.ceil(max(0.0, tv - (c.record.value or 0.0)) / step))
+            n_hit = min(g, steps)
+        # The job that must hit runs while the round's candidates are verified: after a hit, n_hit of them.
+        p = self.hit_rate(b, n_hit, c.acceptance if a is None else a) if b > 0 else 0.0
+        e_hit = self._expected(n_hit, alpha)
+        if self.deferred_record and steps is not None and steps > 1:
+            # A hit on k = g (all n_hit candidates accepted) returns a branch that started a step late.
+            all_kept = c.length_probs(n_hit)[n_hit] if a is None else a**n_hit
+            e_hit += all_kept * (self._expected(min(g, steps - 1), alpha) - e_hit)
+        tokens = p * e_hit + (1.0 - p) * fb[0]
         seconds = tv + c.overhead_for(b) + (1.0 - p) * fb[1]
         return Prediction(tokens, seconds)
 
@@ -220,7 +240,7 @@ class Scheduler:
         # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.
         epsilon = max(EXPLORE_MIN, EXPLORE / math.sqrt(max(1.0, self.costs.rounds_seen / 25)))
         rates = {name: max((p.rate for p in map(predictions.get, fam) if p is not None), default=None)
-                 for name, fam in self.families.items() if name != best.family}
+                 for name, fam in self.families.items() if name != best.family and fam[0].budget not in WIDE_BUDGETS}
         floor = EXPLORE_FLOOR * pred.rate if pred is not None else 0.0
         worth = [name for name, r in rates.items() if r is None or r >= floor]
         if worth and self.rng.random() < epsilon:

@@ -34,9 +34,6 @@ from .outcomes import Outcome
 
 logger = logging.getLogger("hf_ssd")
 
-# Warpers that look at the scores only (never at input_ids): they can run on all rows of a step at once.
-_CONTEXT_FREE = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-                 "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"}
 _ALIBI_TYPES = {"bloom", "mpt", "jais", "baichuan"}
 _ATTENTION = ("eager", "sdpa")
 
@@ -265,9 +262,6 @@ class StaticDrafter(Drafter):
             rows.valid_rows = rows.valid_cols = 0
         self._dirty = 0  # lowest trunk column written since the latest start_tree
         self._serial = 0
-        procs = list(logits_processor or [])
-        self._procs = bool(procs)
-        self._context_free = all(type(p).__name__ in _CONTEXT_FREE for p in procs)
         self._cuda = self.device.type == "cuda"
         if graphs:
             try:

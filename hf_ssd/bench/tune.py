@@ -20,7 +20,7 @@ import torch
 from ..config import SSDConfig
 from ..costs import cost_model_for, reset_estimates
 from ..integration import enable, last_stats
-from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler, allowed_options
+from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, WIDE_BUDGETS, Option, Scheduler, allowed_options
 
 SAMPLE_TEMPERATURE = 0.7
 
@@ -67,9 +67,11 @@ def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, 
     enable(target)
     reset_estimates(target)
     base = SSDConfig(hit_rate_warning=0.0)
-    if not set(gammas) <= set(AUTO_GAMMAS) or not set(budgets) <= set(AUTO_BUDGETS):
+    static, _ = base.resolved_draft_path(draft.device.type == "cuda")
+    allowed_budgets = AUTO_BUDGETS + (() if static else WIDE_BUDGETS)  # as the generator allows them
+    if not set(gammas) <= set(AUTO_GAMMAS) or not set(budgets) <= set(allowed_budgets):
         raise ValueError(f"hf-ssd tune measures the scheduler's options: gammas from {list(AUTO_GAMMAS)}, budgets "
-                         f"from {list(AUTO_BUDGETS)}; got gammas {list(gammas)}, budgets {list(budgets)}.")
+                         f"from {list(allowed_budgets)}; got gammas {list(gammas)}, budgets {list(budgets)}.")
     options = [Option("ar")] + [Option("sd", g) for g in gammas]
     options += [Option("ssd", 4 if 4 in gammas else gammas[0], b) for b in budgets]
     steps = len(options) + 2
@@ -90,9 +92,10 @@ def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, 
         rows.append({"option": option.name, "measured_tok_s": measured})
         bar.update(1)
     stats = last_stats(target)
-    top_k = max(o.budget for o in allowed_options(base, stats.layout, 1)) + 1  # as the generator keys it
+    top_k = max(o.budget for o in allowed_options(base, stats.layout, 1, wide=not static)) + 1  # as the generator keys it
     costs = cost_model_for(target, draft, draft.device, stats.layout, do_sample, top_k, base.initial_acceptance)
-    scheduler = Scheduler(base, costs, options, options[0], inline=stats.layout == "inline")
+    scheduler = Scheduler(base, costs, options, options[0], inline=stats.layout == "inline",
+                          deferred_record=stats.draft_path == "dynamic")  # as the generator's (depth 1)
     for row, option in zip(rows, options):
         pred = scheduler.predict(option)
         row["predicted_tok_s"] = pred.rate if pred is not None else None
