@@ -7,6 +7,7 @@ whose load changes. Nothing here affects what is proposed; it only informs the c
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -173,6 +174,7 @@ class CostModel:
         # independent per position, costs that are not linear).
         self.outcomes: dict[object, list[float]] = {}
         self.lock = threading.Lock()  # one generate call at a time updates a model
+        self._memo: dict | None = None  # see `frozen`
 
     # ----- updates ------------------------------------------------------------------------------------------
     def new_call(self, keep: float = NEW_CALL_KEEP) -> None:
@@ -255,6 +257,26 @@ class CostModel:
         self.overhead.setdefault(budget, Ewma(decay=0.85)).update(seconds)
 
     # ----- estimates ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def frozen(self):
+        """While the estimates cannot change (the caller holds `lock`): the per-position tables that every
+        option's prediction reads are computed once (`Scheduler.decide` predicts ~90 options a round, on the
+        critical path)."""
+        self._memo = {}
+        try:
+            yield self
+        finally:
+            self._memo = None
+
+    def memoized(self, key, compute):
+        memo = self._memo
+        if memo is None:
+            return compute()
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = compute()
+        return value
+
     @property
     def acceptance(self) -> float:
         return min(max(self.accepted / self.tried, 0.0), 0.995)
@@ -262,15 +284,18 @@ class CostModel:
     def position_acceptance(self, j: int) -> float:
         """P(accept position j | accepted j - 1), j 1-based: measured counts with a prior of POSITION_PRIOR
         rounds at the scalar acceptance (what an unseen position gets)."""
-        a = self.acceptance
         if j > MAX_POSITION:
             j = MAX_POSITION
-        return min(0.995, (self.positions_accepted[j] + POSITION_PRIOR * a) / (self.positions[j] + POSITION_PRIOR))
+        return self.memoized(("p", j), lambda: min(0.995, (self.positions_accepted[j] + POSITION_PRIOR * self.acceptance)
+                                                    / (self.positions[j] + POSITION_PRIOR)))
 
     def expected_tokens(self, n: float) -> float:
         """E(n) = 1 + sum_{j<=n} prod_{i<=j} p_i: expected new tokens (accepted prefix + bonus) of a round
         verifying n drafted tokens, with p_i the measured per-position acceptance (a fractional n
         interpolates)."""
+        return self.memoized(("e", n), lambda: self._expected_tokens(n))
+
+    def _expected_tokens(self, n: float) -> float:
         total, run = 1.0, 1.0
         whole = int(n)
         for j in range(1, whole + 1):
@@ -281,7 +306,11 @@ class CostModel:
         return total
 
     def length_probs(self, g: int) -> list[float]:
-        """P(exactly k of g drafted tokens accepted), k = 0..g, from the per-position acceptance."""
+        """P(exactly k of g drafted tokens accepted), k = 0..g, from the per-position acceptance (not to be
+        modified: it may be shared)."""
+        return self.memoized(("l", g), lambda: self._length_probs(g))
+
+    def _length_probs(self, g: int) -> list[float]:
         probs, run = [], 1.0
         for j in range(1, g + 1):
             p = self.position_acceptance(j)
@@ -316,8 +345,11 @@ class CostModel:
 
     def coverage(self, f: int) -> float:
         """P(the bonus is among the draft's f most likely tokens): the hit chance of f branches at one k."""
-        total = sum(self.ranks)
-        return sum(self.ranks[: min(f, self.top_k)]) / total if total > 0 else 0.0
+        def compute():
+            total = sum(self.ranks)
+            return sum(self.ranks[: min(f, self.top_k)]) / total if total > 0 else 0.0
+
+        return self.memoized(("c", f), compute)
 
     def miss_ratio(self, budget: int) -> float:
         """Measured misses over the model's predicted misses for this budget.

@@ -150,13 +150,15 @@ class Scheduler:
         cut short before a branch existed).
         `calibrated=False`: the model's own prediction, the one the calibration compares hits with.
         """
-        if isinstance(self.config.fanout, list):
-            fanout = self.config.fanout[: gamma + 1]
-        else:
-            fanout = geometric_fanout(budget, alpha, gamma)
-        # P(k) from the measured per-position acceptance; the fan-out split is the job's (i.i.d. in alpha).
-        p = sum(pk * self.costs.coverage(f) for pk, f in zip(self.costs.length_probs(gamma), fanout))
-        p = min(1.0, p)
+        def raw():
+            if isinstance(self.config.fanout, list):
+                fanout = self.config.fanout[: gamma + 1]
+            else:
+                fanout = geometric_fanout(budget, alpha, gamma)
+            # P(k) from the measured per-position acceptance; the fan-out split is the job's (i.i.d. in alpha).
+            return min(1.0, sum(pk * self.costs.coverage(f) for pk, f in zip(self.costs.length_probs(gamma), fanout)))
+
+        p = self.costs.memoized(("h", budget, gamma, alpha), raw)
         return max(0.0, 1.0 - (1.0 - p) * self.costs.miss_ratio(budget)) if calibrated else p
 
     def _expected(self, n: float, alpha: float | None) -> float:
@@ -234,7 +236,8 @@ class Scheduler:
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
-        predictions = {o: self.predict(o) for o in self.options}  # once per round: ~70 options
+        with self.costs.frozen():  # once per round: ~90 options
+            predictions = {o: self.predict(o) for o in self.options}
         best, pred = self.best(predictions)
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
         # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.

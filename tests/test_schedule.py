@@ -367,3 +367,45 @@ def test_measured_rounds_correct_a_wrong_model():
     assert scheduler.predict(first).tokens == pytest.approx(model.tokens * costs.correction(first)[0])
     assert costs.correction(first)[0] < 0.5
     assert scheduler.best()[0] != first
+
+
+# ----- hit-rate calibration: measured misses against the model's own predictions ----------------------------------
+
+
+def _calibrated_hit(costs, budget, true_hit, rounds=300):
+    """Feed `rounds` lookups of `budget` that hit at rate `true_hit` (evenly spread), recording the model's
+    uncalibrated prediction as the generator does; return the calibrated hit rate the scheduler then predicts."""
+    s = Scheduler(SSDConfig(), costs, [Option("ssd", 3, budget)], Option("ssd", 3, budget), inline=False)
+    misses = 0.0
+    for _ in range(rounds):
+        misses += 1.0 - true_hit
+        hit = misses < 1.0
+        misses -= 0.0 if hit else 1.0
+        costs.add_lookup(budget, hit, s.hit_rate(budget, 3, costs.acceptance, calibrated=False))
+    return s.hit_rate(budget, 3, costs.acceptance)
+
+
+@pytest.mark.parametrize("true_hit", [0.3, 0.8, 0.95])
+def test_calibrated_hit_rate_converges_to_the_measured_one(true_hit):
+    costs = fed_costs(0.7, 0.1, lambda b: 0.1, 0.02, lambda w: 0.02, RANKS)
+    raw = Scheduler(SSDConfig(), costs, [Option("ssd", 3, 4)], Option("ssd", 3, 4), inline=False).hit_rate(
+        4, 3, costs.acceptance, calibrated=False)
+    assert abs(raw - true_hit) > 0.1  # the model alone is off
+    # Within 0.05 (the prior of 2 misses at the model's rate still weighs where misses are rare); the old
+    # calibration, against its own calibrated predictions, stopped at sqrt(measured / model) of the way.
+    assert _calibrated_hit(costs, 4, true_hit) == pytest.approx(true_hit, abs=0.05)
+
+
+def test_unmeasured_budget_takes_the_pooled_miss_ratio_and_keeps_the_models_order():
+    costs = fed_costs(0.7, 0.1, lambda b: 0.1, 0.02, lambda w: 0.02, RANKS)
+    _calibrated_hit(costs, 4, 0.3)  # more misses than the model predicts: ratio > 1
+    s = Scheduler(SSDConfig(), costs, [Option("ssd", 3, 4)], Option("ssd", 3, 4), inline=False)
+    ratio = costs.miss_ratio(4)
+    assert ratio > 1.2
+    assert costs.miss_ratio(32) == pytest.approx(costs.miss_ratio(64))  # both unmeasured: the pooled ratio
+    assert costs.miss_ratio(32) > 1.1
+    hits = [s.hit_rate(b, 3, costs.acceptance) for b in (4, 8, 16)]
+    assert hits[0] < hits[1] < hits[2] <= 1.0  # a wider fan-out still misses less
+    for b in (8, 16):  # the pooled correction applies to the model's misses
+        raw = s.hit_rate(b, 3, costs.acceptance, calibrated=False)
+        assert 1.0 - s.hit_rate(b, 3, costs.acceptance) == pytest.approx((1.0 - raw) * costs.miss_ratio(b))
