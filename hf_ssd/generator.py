@@ -319,7 +319,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         return self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
 
     def _last_row(self, candidates: list[int], tops, alpha: float, share: int, info: dict):
-        """(row outcome, rows, extra, joined) for `Drafter.tree_steps(last=...)`: the row feeding the last
+        """(row outcome, share, extra, joined) for `Drafter.tree_steps(last=...)`: the row feeding the last
         candidate and, once it has, the `share` likeliest outcomes (g, bonus), its own first token being one of
         them; `joined[0]`: how many rows joined after the first step."""
         g = len(candidates)

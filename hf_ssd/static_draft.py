@@ -271,6 +271,7 @@ class StaticDrafter(Drafter):
                 raise
 
     supports_depth = False  # its tree buffers hold one round's rows: pipeline depth 1
+    defers_record = False  # its tree is one fixed-shape batch: the record stays a forward of its own
 
     @property
     def path(self) -> str:

@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt")
     tune.add_argument("--gammas", type=_int_list, default=[2, 4, 6], help="plain SD draft lengths to measure (1..8)")
     tune.add_argument("--budgets", type=_int_list, default=[1, 2, 4, 8],
-                      help="SSD fan-out budgets to measure (from 1, 2, 4, 8, 16), at gamma 4")
+                      help="SSD fan-out budgets to measure (from 1, 2, 4, 8, 16; 32 and 64 on the dynamic draft path), at "
+                           "gamma 4")
     tune.add_argument("--do-sample", action="store_true", help="measure sampling (T=0.7) instead of greedy")
     tune.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
