@@ -367,7 +367,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             # The trunk usually lacks only the last candidate (a branch's last token is drafted, not fed): then
             # that token is fed by a row of the first tree step instead of a record forward of its own, and the
             # outcomes k < g, known now, get that step too (docs/scheduling.md, "the last candidate").
-            deferred = (self.depth == 1 and getattr(self.drafter, "defers_record", False)
+            # Inline, a job runs to its end anyway: there it would only trade the exact k = g distribution for
+            # a guessed share.
+            deferred = (self.depth == 1 and not self.scheduler.inline and getattr(self.drafter, "defers_record", False)
                         and self.drafter.holds_but_last(context, candidates))
             if deferred:
                 tops = [self.drafter.top[len(context) - 1 + j] for j in range(g)] + [None]
@@ -428,7 +430,8 @@ class SSDCandidateGenerator(CandidateGenerator):
                 t = time.perf_counter()
                 steps.append((width[0], t - stamp[0]))
                 stamp[0] = t
-                width[0] = len(tree.prefix)  # rows joined after a step (k = g, grown children) count from the next
+                if hasattr(tree, "prefix"):  # rows joined after a step (k = g, grown children) count from the next
+                    width[0] = len(tree.prefix)  # (the static path's tree never grows)
 
             rows = todo + [o for o, _ in unfinished]
             width = [len(rows)]

@@ -14,6 +14,7 @@ from conftest import make_model, noisy_copy
 
 import hf_ssd
 from hf_ssd.drafter import Drafter
+from hf_ssd.models.simulated import DeviceCost, simulate_device, unsimulate
 from hf_ssd.outcomes import Outcome
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 2, 40, 41, 42], [20, 21]]
@@ -27,9 +28,15 @@ def pair():
 
 
 def _run(target, draft, ids, **config):
-    cfg = hf_ssd.SSDConfig(layout="inline", schedule="fixed", hit_rate_warning=0, record_timeline=True, **config)
-    out = target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                          assistant_model=draft, ssd_config=cfg)
+    """Thread layout (inline jobs run to the end and keep the record forward) with a verify slow enough (a
+    simulated 20 ms device) that every job finishes before its outcome: the same branches every run."""
+    cfg = hf_ssd.SSDConfig(layout="thread", schedule="fixed", hit_rate_warning=0, record_timeline=True, **config)
+    simulate_device(target, DeviceCost(0.02))
+    try:
+        out = target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              assistant_model=draft, ssd_config=cfg)
+    finally:
+        unsimulate(target)
     return out[0].tolist(), hf_ssd.last_stats(target)
 
 
