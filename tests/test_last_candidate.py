@@ -130,3 +130,40 @@ def test_every_branch_is_the_drafts_own_continuation(pair):
         assert ref[0, len(prefix):].tolist() == tokens
         kinds.add(accepted)
     assert 3 in kinds and min(kinds) < 3  # rows of k = g (gamma 3) and of k < g were checked
+
+
+def test_sampled_branches_carry_the_draft_distribution_of_every_token(pair):
+    """When sampling, each filed branch, (g, bonus) ones included, holds one draft distribution per token, the
+    one its token was drawn from: speculative sampling reads it as q, so a row left over from the fed last
+    candidate (or a shifted one) would change the output distribution."""
+    import hf_ssd.generator as generator
+
+    target, draft = pair
+    filed = []
+    insert = generator.SSDCandidateGenerator._insert
+
+    def spy(self, branch):
+        state = branch.state
+        filed.append((branch.accepted, state.batch.prefix[state.row] + [branch.bonus], list(branch.tokens),
+                      branch.logits.clone()))
+        return insert(self, branch)
+
+    cfg = hf_ssd.SSDConfig(layout="thread", schedule="fixed", hit_rate_warning=0, gamma=3, fanout_budget=6)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(generator.SSDCandidateGenerator, "_insert", spy)
+    simulate_device(target, DeviceCost(0.02))
+    try:
+        torch.manual_seed(0)
+        # No warpers (top_k=0, temperature 1): q is the draft's plain softmax, computable here.
+        target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=24, do_sample=True, top_k=0, temperature=1.0,
+                        eos_token_id=None, assistant_model=draft, ssd_config=cfg)
+    finally:
+        unsimulate(target)
+        mp.undo()
+    assert 3 in {k for k, *_ in filed}  # rows of k = g were checked
+    for _, prefix, tokens, logq in filed:
+        assert logq.shape[0] == len(tokens)
+        with torch.no_grad():
+            logits = draft(torch.tensor([prefix + tokens])).logits[0, len(prefix) - 1 : len(prefix) - 1 + len(tokens)]
+        want = torch.log_softmax(logits.double(), dim=-1)
+        assert torch.allclose(logq[:, : want.shape[-1]].double(), want, atol=1e-6)
