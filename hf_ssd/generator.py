@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -35,6 +36,13 @@ from .schedule import Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
 from .stats import SSDStats
+
+
+class LastRow(NamedTuple):
+    outcome: Outcome  # (g - 1, c_g): the row's outcome until its first step
+    share: int  # rows for k = g, this one included
+    extra: Callable  # (top after c_g, its first token) -> (P(g, first), the other (g, bonus) outcomes)
+    joined: list[int]  # [rows that joined after the first step], set by `extra`
 
 
 def _placeholder(top):
@@ -319,9 +327,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         return self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
 
     def _last_row(self, candidates: list[int], tops, alpha: float, share: int, info: dict):
-        """(row outcome, share, extra, joined) for `Drafter.tree_steps(last=...)`: the row feeding the last
-        candidate and, once it has, the `share` likeliest outcomes (g, bonus), its own first token being one of
-        them; `joined[0]`: how many rows joined after the first step."""
+        """The row feeding the last candidate (`Drafter.tree_steps(last=...)`) and, once it has, the `share`
+        likeliest outcomes (g, bonus), its own first token being one of them."""
         g = len(candidates)
         if self.calibration is not None:
             p_all = length_probs([self.calibration.p_accept(q) for q in drafted_probs(candidates, tops[:g])])[g]
@@ -339,7 +346,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             joined[0] = len(more[: share - 1])
             return prob, more[: share - 1]
 
-        return Outcome(g - 1, candidates[-1], p_all), share, extra, joined
+        return LastRow(Outcome(g - 1, candidates[-1], p_all), share, extra, joined)
 
     def _submit(self, context: list[int], candidates: list[int], alpha: float, option: Option) -> None:
         round_id = self.round
@@ -406,7 +413,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                     share = 1
                 if share:
                     last = self._last_row(candidates, tops, alpha, share, info)
-            self.stats.outcomes_predicted += len(outcomes) + (last[1] if last else 0)
+            self.stats.outcomes_predicted += len(outcomes) + (last.share if last else 0)
             # Outcomes a deeper level of an earlier job already drafted in full (promoted on its hit) stay as
             # they are; they take this job's estimate of their probability.
             held, todo, unfinished = [], [], []
@@ -421,7 +428,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 elif len(todo) < min(budget, limit):
                     todo.append(o)
             if last is not None:
-                todo.append(last[0])
+                todo.append(last.outcome)
             if not outcomes and last is None:
                 return
             steps, stamp = [], [time.perf_counter()]
@@ -461,11 +468,11 @@ class SSDCandidateGenerator(CandidateGenerator):
 
                 kw = {"grow": grow} if grow is not None else {}
                 if last is not None:
-                    kw["last"] = (len(todo) - 1, last[2])
+                    kw["last"] = (len(todo) - 1, last.extra)
                 drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step, **kw)
                 # 3. Cache insert.
                 self._hook("insert")
-                own = len(rows) + (last[3][0] if last is not None else 0)  # with the k = g rows that joined
+                own = len(rows) + (last.joined[0] if last is not None else 0)  # with the k = g rows that joined
                 for r, (state, result) in enumerate(drafted[:own]):
                     if result.tokens:
                         o = state.outcome
