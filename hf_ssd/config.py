@@ -65,6 +65,8 @@ class SSDConfig:
             overlapping layout: with `static_draft=None` a depth above 1 picks the dynamic path.
         fallback: what a cache miss does: `"sd"` drafts gamma tokens now, `"short"` drafts `fallback_gamma`
             tokens now, `"ar"` proposes nothing this round, `"ngram"` proposes a prompt-lookup continuation.
+            Left unset with `schedule="auto"`, a miss drafts the length the scheduler's cost model finds best
+            (from 1 to gamma; short where hit rounds are much faster than drafting, docs/scheduling.md).
         fallback_gamma: draft length of the `"short"` fallback (default: gamma // 2, at least 1).
         ngram_size: longest n-gram matched by the `"ngram"` fallback.
         saguaro_c: Saguaro sampling constant in [0, 1): when sampling, the draft probabilities of the top
@@ -127,11 +129,14 @@ class SSDConfig:
     def is_set(self, name: str) -> bool:
         """Whether the user chose this value (the scheduler keeps it) or left the default (the scheduler may tune).
 
-        `gamma` counts as set when passed to the constructor or assigned; the fan-out when it is a list or
-        `fanout_budget` is not None; the layout when it is not "auto"; `cpu_threads` when not None.
+        `gamma` counts as set when passed to the constructor or assigned; `fallback` when it or `fallback_gamma`
+        was passed to the constructor; the fan-out when it is a list or `fanout_budget` is not None; the layout
+        when it is not "auto"; `cpu_threads` when not None.
         """
         if name == "gamma":
             return "gamma" in self.__dict__.get("_set_fields", frozenset())
+        if name == "fallback":  # passed to the constructor (either field): the scheduler keeps that fallback
+            return bool({"fallback", "fallback_gamma"} & self.__dict__.get("_set_fields", frozenset()))
         if name == "fanout":
             return isinstance(self.fanout, list)
         if name == "fanout_budget":

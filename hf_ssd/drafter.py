@@ -397,11 +397,12 @@ class Drafter:
         once: rows for the round after, under a parent whose first k tokens and distribution at k exist
         already, so that they draft in the same forwards as their parents (returned after the first rows).
 
-        `last` = (r, extra): row r is the outcome (g - 1, c_g), g candidates with c_g the last: its prefix is the
-        trunk and its first feed c_g, whose distribution predicts the bonus of outcome k = g (the record forward,
-        riding in the first step). After that step the row goes on as the branch of outcome (g, t), t its first
-        drafted token (the same computation), and `extra(top, t)` returns (P(g, t), more outcomes (g, bonus)),
-        whose rows join from the next step on.
+        `last` = (r, extra, n): rows r .. r + n - 1 are the outcome (g - 1, c_g), g candidates with c_g the last:
+        their prefix is the trunk and their first feed c_g, whose distribution predicts the bonus of outcome
+        k = g (the record forward, riding in the first step). After that step row r goes on as the branch of
+        (g, t), t its first drafted token (the same computation), and `extra(top, t)` returns (P(g, t), more
+        outcomes (g, bonus)), which the other n - 1 rows take, feeding their bonus from the next step on (a row
+        left without one drafts nothing).
         """
         states, results, rows, contexts, pos = [], [], [], [], []
 
@@ -451,7 +452,7 @@ class Drafter:
                     rows[r].append(logq)
                 contexts[r].append(token)
             if last is not None:
-                self._rebase_last(tree, last, states, results, rows, pos, add)
+                self._rebase_last(tree, last, states, results, rows, contexts)
                 last = None
             if on_step is not None:
                 on_step(len(tree.mask[0]) - tree.width - 1)
@@ -482,29 +483,31 @@ class Drafter:
         tree.prefix_top += tops
         tree.pre += [None] * len(children)
 
-    def _rebase_last(self, tree: TreeBatch, last, states, results, rows, pos, add) -> None:
-        """After the first step: the `last` row has fed c_g; add the rows of more k = g outcomes, then make it the
-        branch of (g, its first drafted token). See `tree_steps`."""
-        r, extra = last
+    def _rebase_last(self, tree: TreeBatch, last, states, results, rows, contexts) -> None:
+        """After the first step: the `last` rows have fed c_g; the first becomes the branch of (g, its first
+        drafted token), the others those of more likely (g, bonus) outcomes. See `tree_steps`."""
+        r, extra, n = last
         st = states[r]
-        fed_at = pos[r] - 1  # c_g's sequence index: its top list predicts the bonus of k = g
-        top = st.top[fed_at]
+        top = st.top[len(tree.prefix[r])]  # after c_g: it predicts the bonus of k = g
         first = results[r].tokens[0] if results[r].tokens else None
         prob, more = extra(top, first)
-        if more:
-            head = len(states)
-            prefix = tree.prefix[r] + [st.outcome.bonus]
-            # The tree's copy of the trunk's top lists serves them as it serves row r (read below a row's start).
-            self._append_rows(tree, [(st, [], Outcome(0, o.bonus)) for o in more],
-                              ([list(prefix) for _ in more], [tree.prefix_top[r]] * len(more)))
-            for i, o in enumerate(more):
-                add(head + i, o, None)
-        if first is not None:  # the same computation as a row of (g, first) that fed its bonus next
-            tree.prefix[r] = tree.prefix[r] + [st.outcome.bonus]
-            st.outcome = Outcome(st.outcome.accepted + 1, first, prob)
-            st.fed = 0
-            results[r].tokens = []
-            rows[r] = []
+        prefix = tree.prefix[r] + [st.outcome.bonus]
+        # Row r is already the computation a row of (g, first) does (its bonus is fed next); the others feed
+        # their own bonus next instead of the token they drew. Rows without an outcome sit out as fillers.
+        new = [Outcome(st.outcome.accepted + 1, first, prob)] if first is not None else []
+        new += list(more)
+        for i in range(n):
+            row = r + i
+            state = states[row]
+            if i >= len(new) or (i > 0 and new[i].bonus == first):
+                state.fed = 10**9  # never fed again, never recorded
+                results[row].tokens, rows[row] = [], []
+                continue
+            tree.prefix[row] = list(prefix)
+            state.outcome = new[i]
+            state.fed = 0
+            results[row].tokens, rows[row] = [], []
+            contexts[row] = prefix + [new[i].bonus]
 
     def adopt(self, state: BranchState, tokens: list[int]) -> None:
         """Make the trunk the branch's cache: the row's prefix, then bonus + drafts.

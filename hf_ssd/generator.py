@@ -32,7 +32,7 @@ from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import Outcome, predict_outcomes
 from .predictor import calibration_for, drafted_probs, length_probs, rank_outcomes
-from .schedule import Option, Scheduler, allowed_options
+from .schedule import LATE_GRACE, Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
 from .stats import SSDStats
@@ -40,9 +40,8 @@ from .stats import SSDStats
 
 class LastRow(NamedTuple):
     outcome: Outcome  # (g - 1, c_g): the row's outcome until its first step
-    share: int  # rows for k = g, this one included
+    share: int  # rows for k = g, this one included: all feed c_g in the first step
     extra: Callable  # (top after c_g, its first token) -> (P(g, first), the other (g, bonus) outcomes)
-    joined: list[int]  # [rows that joined after the first step], set by `extra`
 
 
 def _placeholder(top):
@@ -164,8 +163,15 @@ class SSDCandidateGenerator(CandidateGenerator):
         n = min(gamma, self.max_length - len(context) - 1)
         branch = None
         job_budget = self._job_budget
+        decided = None
         if self._pending is not None:
             self._measure_round(now)
+            # The option of the round after this one is decided while the job finishes its current step (the
+            # caller would only wait for it): from the estimates up to the round before, which is all a
+            # decision needs. The job's own timings and this outcome inform the next one.
+            self.speculator.signal()
+            with self.costs.lock:
+                decided = self.scheduler.decide()
             self.speculator.collect()  # waits for the job; re-raises its error here
             if self._outcome is not None:
                 self._measure_outcome()
@@ -196,6 +202,10 @@ class SSDCandidateGenerator(CandidateGenerator):
             # An SSD round without a hit (a miss, or round 1) runs the configured fallback; plain SD drafts gamma
             # tokens now, and AR proposes nothing.
             kind = {"ssd": self.config.fallback, "sd": "sd", "ar": "ar"}[option.kind]
+            short_n = max(1, self.config.fallback_gamma or gamma // 2)
+            if kind == "sd" and option.kind == "ssd" and self.scheduler.auto_fallback:
+                with self.costs.lock:  # the length the model finds best (`Scheduler.fallback_length`)
+                    short_n, kind = self.scheduler.miss_fallback(option), "short"
             if job_budget is not None and n > 0:
                 self.stats.cache_misses += 1
                 self.stats.fallbacks[kind] = self.stats.fallbacks.get(kind, 0) + 1
@@ -203,7 +213,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             d0 = time.perf_counter()
             with self.speculator.on_critical_path():
                 result = run_fallback(
-                    kind, self.drafter, context, n, max(1, self.config.fallback_gamma or gamma // 2),
+                    kind, self.drafter, context, n, short_n,
                     self.config.ngram_size, self._fanout(option.budget, gamma, alpha),
                     option.stop if option.kind == "sd" else 0.0,
                 )
@@ -232,8 +242,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.proposed_tokens += len(tokens)
         # The option of the next round decides whether a job runs during this verification. Nothing to
         # pre-draft if this verification surely ends the generation (length budget spent).
-        with self.costs.lock:
-            self._next = self.scheduler.decide()
+        if decided is None:  # round 1
+            with self.costs.lock:
+                decided = self.scheduler.decide()
+        self._next = decided
         nxt = self._next[0]
         self._job_budget = None
         if nxt.kind == "ssd" and len(context) + 1 < self.max_length:
@@ -326,16 +338,15 @@ class SSDCandidateGenerator(CandidateGenerator):
     def _p_accept(self, alpha: float):
         return self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
 
-    def _last_row(self, candidates: list[int], tops, alpha: float, share: int, info: dict):
+    def _last_row(self, candidates: list[int], tops, alpha: float, share: int, info: dict, prior: list[float]):
         """The row feeding the last candidate (`Drafter.tree_steps(last=...)`) and, once it has, the `share`
         likeliest outcomes (g, bonus), its own first token being one of them."""
         g = len(candidates)
         if self.calibration is not None:
             p_all = length_probs([self.calibration.p_accept(q) for q in drafted_probs(candidates, tops[:g])])[g]
+            p_all = 0.5 * (p_all + prior[g])  # as `rank_outcomes` mixes them
         else:
             p_all = alpha**g  # P(all g accepted) under the fan-out's i.i.d. acceptance
-
-        joined = [0]
 
         def extra(top, first):
             info["tops"][g] = top  # where a k = g bonus ranks is measured too
@@ -343,10 +354,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             mass = sum(values) or 1.0
             prob = p_all * values[ids.index(first)] / mass if first in ids else 0.0
             more = [Outcome(g, t, p_all * v / mass) for v, t in zip(values, ids) if t != first and t not in self.eos]
-            joined[0] = len(more[: share - 1])
             return prob, more[: share - 1]
 
-        return LastRow(Outcome(g - 1, candidates[-1], p_all), share, extra, joined)
+        return LastRow(Outcome(g - 1, candidates[-1], p_all), share, extra)
 
     def _submit(self, context: list[int], candidates: list[int], alpha: float, option: Option) -> None:
         round_id = self.round
@@ -357,6 +367,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         limit = self._outcome_limit(budget)
         info: dict = {}
         self._job_info, self._job_budget = info, budget
+        prior = list(self.costs.length_probs(g))  # measured P(k), read here: the caller's thread updates it
         # Uncalibrated: the calibration is measured hits over the model's own predictions (a calibrated one
         # would only correct the model by the square root of its error).
         self._job_predicted = (self.scheduler.hit_rate(budget, g, self.costs.acceptance, calibrated=False)
@@ -391,7 +402,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             # the budget goes to the likeliest outcomes not held yet.
             extra = self.cache.held(round_id)
             if self.calibration is not None:  # ranked overall by P(k) * P(bonus | k), not split per k first
-                outcomes = rank_outcomes(candidates, ranked, self.calibration, min(budget, limit) + extra)
+                outcomes = rank_outcomes(candidates, ranked, self.calibration, min(budget, limit) + extra, prior)
             elif extra:
                 outcomes = predict_outcomes(candidates, ranked, self._fanout(budget + extra, g, alpha), alpha,
                                             limit + extra)
@@ -412,7 +423,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                         outcomes.pop()
                     share = 1
                 if share:
-                    last = self._last_row(candidates, tops, alpha, share, info)
+                    last = self._last_row(candidates, tops, alpha, share, info, prior)
             self.stats.outcomes_predicted += len(outcomes) + (last.share if last else 0)
             # Outcomes a deeper level of an earlier job already drafted in full (promoted on its hit) stay as
             # they are; they take this job's estimate of their probability.
@@ -428,7 +439,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 elif len(todo) < min(budget, limit):
                     todo.append(o)
             if last is not None:
-                todo.append(last.outcome)
+                todo += [last.outcome] * last.share
             if not outcomes and last is None:
                 return
             steps, stamp = [], [time.perf_counter()]
@@ -454,8 +465,13 @@ class SSDCandidateGenerator(CandidateGenerator):
                 def stop():
                     if should_stop():
                         return True
-                    late = deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
-                    return len(steps) >= gamma and late
+                    if deadline is None or step_s is None or not steps:
+                        return False
+                    over = time.perf_counter() + step_s - deadline  # how far the next step would end past it
+                    # The optional last step only if it ends in time; any other only if it ends within half a
+                    # step of the expected outcome: the caller would wait for the rest (a step cannot be cut),
+                    # and a token more in every branch is worth less than most of a step's wait.
+                    return over > 0 if len(steps) >= gamma else over > LATE_GRACE * step_s
 
                 grown: list[tuple[float, int, Outcome]] = []  # children added to the batch: (chain prob, parent row, outcome)
                 grow = None
@@ -468,11 +484,11 @@ class SSDCandidateGenerator(CandidateGenerator):
 
                 kw = {"grow": grow} if grow is not None else {}
                 if last is not None:
-                    kw["last"] = (len(todo) - 1, last.extra)
+                    kw["last"] = (len(todo) - last.share, last.extra, last.share)
                 drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step, **kw)
                 # 3. Cache insert.
                 self._hook("insert")
-                own = len(rows) + (last.joined[0] if last is not None else 0)  # with the k = g rows that joined
+                own = len(rows)
                 for r, (state, result) in enumerate(drafted[:own]):
                     if result.tokens:
                         o = state.outcome

@@ -36,6 +36,9 @@ CONFIDENCE_STOPS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # thresholds the schedul
 EXPLORE = 0.08  # share of rounds that try another option family while estimates are young
 EXPLORE_MIN = 0.02
 EXPLORE_FLOOR = 0.5  # families predicted under this share of the best rate are not explored
+LATE_GRACE = 0.5  # a job step may end this share of a step after the expected outcome (generator `_submit`)
+FULL_EVERY = 4  # decisions between two predictions of every option
+SHORTLIST = 8  # options re-predicted at the other decisions: the best of the last full pass
 
 
 @dataclass(frozen=True)
@@ -118,10 +121,15 @@ class Scheduler:
         # the outcome k = g then start a step after the others.
         self.deferred_record = deferred_record and not inline
         self.costs = costs
+        # A miss's fallback drafts the length the model finds best unless the user chose the fallback.
+        self.auto_fallback = config.schedule == "auto" and not config.is_set("fallback")
         self.options = options
         self.default = default
         self.inline = inline
         self.rng = random.Random(len(options))  # never the caller's RNG: decisions must not move sampling
+        self._decisions = 0
+        self._predictions: dict | None = None  # the last full pass (see `decide`)
+        self._shortlist: list[Option] = []
         families: dict[str, list[Option]] = {}
         for o in options:
             families.setdefault(o.family, []).append(o)
@@ -164,14 +172,63 @@ class Scheduler:
     def _expected(self, n: float, alpha: float | None) -> float:
         return self.costs.expected_tokens(n) if alpha is None else expected_tokens(n, alpha)
 
-    def _fallback(self, gamma: int, alpha: float | None) -> tuple[float, float] | None:
-        """(tokens, seconds of drafting) of a miss's fallback for a round of draft length gamma."""
+    def _fallback(self, gamma: int, alpha: float | None, rate: float | None = None) -> tuple[float, float] | None:
+        """(tokens, seconds of drafting) of a miss's fallback for a round of draft length gamma; `rate`: the
+        tokens per second of the option's hit rounds, which the automatic fallback trades against."""
         kind = self.config.fallback
         if kind in ("ar", "ngram"):
             return 1.0, 0.0
-        n = gamma if kind == "sd" else min(gamma, self.config.fallback_gamma or max(1, gamma // 2))
+        if self.auto_fallback and rate is not None:
+            n = self.fallback_length(gamma, alpha, rate)
+        else:
+            n = gamma if kind == "sd" else min(gamma, self.config.fallback_gamma or max(1, gamma // 2))
         t = self.costs.draft_time(n)
         return (self._expected(n, alpha), t) if t is not None else None
+
+    def fallback_length(self, gamma: int, alpha: float | None, rate: float) -> int:
+        """The draft length of a miss's fallback when the user left `fallback` unset: the n in 1..gamma that
+        maximises E(n) - rate * draft(n), the tokens the miss round yields less what its drafting time would
+        have yielded at the rate of hit rounds. Where hits are much faster than drafting (an idle accelerator),
+        a miss drafts one or two tokens instead of a whole gamma; on CPU cores, where SSD's rounds are about as
+        slow as SD's, it drafts about what SD would. (n = 0 would leave the bonus unfed, and the next job would
+        spend its first step feeding it.)"""
+        best_n, best_v = gamma, None
+        for n in range(1, gamma + 1):
+            t = self.costs.draft_time(n)
+            if t is None:
+                return gamma
+            v = self._expected(n, alpha) - rate * t
+            if best_v is None or v > best_v:
+                best_n, best_v = n, v
+        return best_n
+
+    def miss_fallback(self, option: Option) -> int:
+        """`fallback_length` for a miss of an SSD round of this option, as the model predicts it."""
+        terms = self._hit_terms(option, None)
+        return option.gamma if terms is None else self.fallback_length(option.gamma, None, terms[2])
+
+    def _hit_terms(self, option: Option, alpha: float | None):
+        """(verify seconds, P(hit), tokens per second of a hit round, E of a hit) of an SSD option, or None."""
+        c = self.costs
+        g, b = option.gamma, option.budget
+        tv = c.verify(g, None if self.inline else b)
+        if tv is None:
+            return None
+        step = c.tree_step.predict(max(b, 1))
+        # A hit returns the tokens pre-drafted by the time the outcome arrived: with overlap, the steps that
+        # end by then or within LATE_GRACE of a step after it (the job's own rule); inline, the whole branch.
+        n_hit, steps = g, None
+        if not self.inline and step is not None:
+            steps = max(1, math.floor(max(0.0, tv - (c.record.value or 0.0)) / step + LATE_GRACE))
+            n_hit = min(g, steps)
+        # The job that must hit runs while the round's candidates are verified: after a hit, n_hit of them.
+        p = self.hit_rate(b, n_hit, c.acceptance if alpha is None else alpha) if b > 0 else 0.0
+        e_hit = self._expected(n_hit, alpha)
+        if self.deferred_record and steps is not None and steps > 1:
+            # A hit on k = g (all n_hit candidates accepted) returns a branch that started a step late.
+            all_kept = c.length_probs(n_hit)[n_hit] if alpha is None else alpha**n_hit
+            e_hit += all_kept * (self._expected(min(g, steps - 1), alpha) - e_hit)
+        return tv, p, e_hit / (tv + c.overhead_for(b)), e_hit
 
     def predict(self, option: Option, alpha: float | None = None) -> Prediction | None:
         """The model's E / T for this option, corrected by how its own past rounds compared with the model."""
@@ -199,27 +256,15 @@ class Scheduler:
         if option.kind == "sd":
             tv, td = c.verify(g, None, option.threads), c.draft_time(g, option.threads)
             return None if tv is None or td is None else Prediction(self._expected(g, a), tv + td)
-        b = option.budget
-        tv = c.verify(g, None if self.inline else b)
-        fb = self._fallback(g, a)
-        step = c.tree_step.predict(max(b, 1))
-        if tv is None or fb is None:
+        terms = self._hit_terms(option, a)
+        if terms is None:
             return None
-        # A hit returns the tokens pre-drafted by the time the outcome arrived (the job stops at the next step):
-        # with overlap, about (verify - record) / step of them; inline, the whole branch.
-        n_hit, steps = g, None
-        if not self.inline and step is not None:
-            steps = max(1, math.ceil(max(0.0, tv - (c.record.value or 0.0)) / step))
-            n_hit = min(g, steps)
-        # The job that must hit runs while the round's candidates are verified: after a hit, n_hit of them.
-        p = self.hit_rate(b, n_hit, c.acceptance if a is None else a) if b > 0 else 0.0
-        e_hit = self._expected(n_hit, alpha)
-        if self.deferred_record and steps is not None and steps > 1:
-            # A hit on k = g (all n_hit candidates accepted) returns a branch that started a step late.
-            all_kept = c.length_probs(n_hit)[n_hit] if a is None else a**n_hit
-            e_hit += all_kept * (self._expected(min(g, steps - 1), alpha) - e_hit)
+        tv, p, rate, e_hit = terms
+        fb = self._fallback(g, a, rate)
+        if fb is None:
+            return None
         tokens = p * e_hit + (1.0 - p) * fb[0]
-        seconds = tv + c.overhead_for(b) + (1.0 - p) * fb[1]
+        seconds = tv + c.overhead_for(option.budget) + (1.0 - p) * fb[1]
         return Prediction(tokens, seconds)
 
     def best(self, predictions: dict | None = None) -> tuple[Option, Prediction | None]:
@@ -236,8 +281,20 @@ class Scheduler:
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
-        with self.costs.frozen():  # once per round: ~90 options
-            predictions = {o: self.predict(o) for o in self.options}
+        # Every FULL_EVERY rounds all ~90 options are predicted; in between only the SHORTLIST best of the last
+        # full pass (the others keep that pass's predictions). A decision waits on the caller's thread while the
+        # job finishes its step, and its Python holds the interpreter lock the job needs after that step.
+        self._decisions += 1
+        with self.costs.frozen():
+            if self._predictions is None or self._decisions % FULL_EVERY == 0:
+                predictions = {o: self.predict(o) for o in self.options}
+                ranked = sorted((o for o in self.options if predictions[o] is not None),
+                                key=lambda o: -predictions[o].rate)
+                self._predictions, self._shortlist = predictions, ranked[:SHORTLIST]
+            else:
+                predictions = dict(self._predictions)
+                for o in self._shortlist:
+                    predictions[o] = self.predict(o)
         best, pred = self.best(predictions)
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
         # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.

@@ -52,6 +52,10 @@ class Speculator:
         self._done.clear()
         self._wake.set()
 
+    def signal(self) -> None:
+        """The outcome is known: the job stops at its next step boundary (`collect` waits for that)."""
+        self._arrived.set()
+
     def collect(self) -> None:
         """Signal that the outcome is known, wait for the job, and raise its error here if it failed."""
         self._arrived.set()

@@ -3,7 +3,8 @@
 After a hit the trunk holds every candidate but the last (a branch's last token is drafted, not fed). A job then
 feeds that token in a row of its first batched step instead of a record forward of its own: the rows of outcomes
 k < g draft one step earlier, the row itself goes on as the branch of (g, its first drafted token), and the other
-k = g outcomes join from the second step. These tests pin down that this happens, stays exact, and hits.
+k = g outcomes, which fed c_g beside it, take their own bonus from the second step. These tests pin down that
+this happens, stays exact, and hits.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def test_deferred_jobs_are_exact_and_hit_all_kept_outcomes(pair, monkeypatch, ga
 
 def test_a_cut_job_gives_k_below_g_rows_a_step_more(pair):
     """Cut after two steps (the outcome arriving), rows of k < g hold two tokens, the row that fed c_g one (as
-    the branch of (g, its first token)), and so does a (g, bonus) row that joined after the first step; each
-    is the draft's own continuation of its prefix and bonus."""
+    the branch of (g, its first token)), and so does a (g, bonus) row that fed c_g beside it in the first step;
+    each is the draft's own continuation of its prefix and bonus. A row of the k = g share for which `extra`
+    has no outcome drafts nothing."""
     _, draft = pair
     drafter = Drafter(draft, None, False, top_k=8)
     context = [5, 6, 7, 8]
@@ -74,7 +76,7 @@ def test_a_cut_job_gives_k_below_g_rows_a_step_more(pair):
     assert drafter.holds_but_last(context, candidates)  # c_3 drafted, not fed
     tops = [drafter.top[len(context) - 1 + j] for j in range(3)]
     below = [Outcome(k, int(next(t for t in tops[k][1].tolist() if t != candidates[k]))) for k in range(3)]
-    rows = below + [Outcome(2, candidates[-1])]  # the row feeding c_3
+    rows = below + [Outcome(2, candidates[-1])] * 3  # the k = g share: three rows feeding c_3
     joined = []
 
     def extra(top, first):
@@ -85,9 +87,11 @@ def test_a_cut_job_gives_k_below_g_rows_a_step_more(pair):
     steps = []
     tree = drafter.start_tree(len(context), rows)
     drafted = drafter.tree_steps(tree, rows, 3, [0] * 4, lambda: len(steps) >= 2, steps.append,
-                                 last=(len(rows) - 1, extra))
-    got = {(s.outcome.accepted, s.outcome.bonus): (s.batch.prefix[s.row], r.tokens) for s, r in drafted}
-    assert len(drafted) == 5 and len(joined) == 1
+                                 last=(len(rows) - 3, extra, 3))
+    assert len(drafted) == 6 and len(joined) == 1
+    assert sum(not r.tokens for _, r in drafted) == 1  # the third k = g row: no outcome, no branch
+    got = {(s.outcome.accepted, s.outcome.bonus): (s.batch.prefix[s.row], r.tokens) for s, r in drafted if r.tokens}
+    assert len(got) == 5
     for k, o in enumerate(below):
         prefix, tokens = got[(k, o.bonus)]
         assert prefix == context + candidates[:k] and len(tokens) == 2
@@ -167,3 +171,4 @@ def test_sampled_branches_carry_the_draft_distribution_of_every_token(pair):
             logits = draft(torch.tensor([prefix + tokens])).logits[0, len(prefix) - 1 : len(prefix) - 1 + len(tokens)]
         want = torch.log_softmax(logits.double(), dim=-1)
         assert torch.allclose(logq[:, : want.shape[-1]].double(), want, atol=1e-6)
+

@@ -74,6 +74,48 @@ def test_rank_outcomes_puts_budget_where_the_draft_is_unsure():
     assert sum(o.prob for o in rank_outcomes(candidates, tops, cal, budget=50)) == pytest.approx(1.0, abs=1e-6)
 
 
+def _sure_calibration():
+    cal = AcceptanceCalibration()
+    for _ in range(50):  # every drafted token at q = 0.98 was accepted
+        cal.observe([0.98, 0.98], 2)
+    return cal
+
+
+_SURE_TOPS = [
+    _top([(0.98, 7), (0.015, 3), (0.005, 4)]),
+    _top([(0.98, 8), (0.015, 5), (0.005, 6)]),
+    _top([(0.5, 11), (0.3, 12), (0.1, 13), (0.06, 14), (0.04, 15)]),  # after the last candidate
+]
+
+
+def test_rank_outcomes_gives_every_k_its_likeliest_bonus_when_the_budget_covers_them():
+    """A calibration that calls both candidates sure puts a budget of 4 on k = 2 alone; the hedge keeps one
+    outcome per k (the likeliest bonus, never the rejected candidate) and ranks the rest overall."""
+    cal = _sure_calibration()
+    overall = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=50)  # every outcome, most likely first
+    assert {o.accepted for o in overall[:4]} == {2}  # by rank alone, the budget of 4 would go to k = 2
+    hedged = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=4)
+    assert sorted((o.accepted, o.bonus) for o in hedged if o.accepted < 2) == [(0, 3), (1, 5)]
+    assert [o.bonus for o in hedged if o.accepted == 2] == [11, 12]
+    assert [o.prob for o in hedged] == sorted((o.prob for o in hedged), reverse=True)
+    # Fewer slots than acceptance lengths: ranked overall, as before.
+    assert {o.accepted for o in rank_outcomes([7, 8], _SURE_TOPS, cal, budget=2)} == {2}
+
+
+def test_rank_outcomes_mixes_the_measured_length_law_into_the_calibrated_one():
+    """P(k) is the mean of the calibrated law and `length_prior`: a measured law that says k = 0 is common
+    moves budget to k = 0, and the probabilities still sum to one over all outcomes."""
+    cal = _sure_calibration()
+    pk_cal = length_probs([cal.p_accept(0.98)] * 2)
+    prior = [0.6, 0.2, 0.2]
+    ranked = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=50, length_prior=prior)
+    by_k = [sum(o.prob for o in ranked if o.accepted == k) for k in range(3)]
+    assert by_k == pytest.approx([0.5 * (a + b) for a, b in zip(pk_cal, prior)], abs=1e-6)
+    wide = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=6, length_prior=prior)
+    assert sum(o.accepted == 0 for o in wide) == 2  # both k = 0 bonuses outrank the unlikely k = 2 ones
+    assert sum(o.accepted == 0 for o in rank_outcomes([7, 8], _SURE_TOPS, cal, budget=6)) == 1  # the floor alone
+
+
 def test_rank_outcomes_budget_zero_and_no_candidates():
     cal = AcceptanceCalibration()
     assert rank_outcomes([4], [_top([(0.5, 4), (0.5, 2)]), _top([(1.0, 3)])], cal, 0) == []

@@ -409,3 +409,65 @@ def test_unmeasured_budget_takes_the_pooled_miss_ratio_and_keeps_the_models_orde
     for b in (8, 16):  # the pooled correction applies to the model's misses
         raw = s.hit_rate(b, 3, costs.acceptance, calibrated=False)
         assert 1.0 - s.hit_rate(b, 3, costs.acceptance) == pytest.approx((1.0 - raw) * costs.miss_ratio(b))
+
+
+# ----- session 5: the automatic miss fallback, the job's step rule, the shortlist -----------------------------------
+
+
+def test_miss_fallback_is_short_when_hits_are_much_faster_than_drafting():
+    """Off-core, a hit round (one verify, 1.0) yields ~3 tokens while each drafted token costs 0.25: a miss
+    drafts fewer than gamma tokens. When drafting is cheap it drafts the whole gamma. A fallback the user set
+    is kept, and the model prices a miss at the length the generator will draft."""
+    config = SSDConfig()
+    assert not config.is_set("fallback")
+    assert SSDConfig(fallback="sd").is_set("fallback") and SSDConfig(fallback_gamma=2).is_set("fallback")
+    ssd = Option("ssd", 6, 8)
+    costly = fed_costs(0.8, 1.0, lambda b: 1.0, 0.25, lambda w: 0.25, RANKS)
+    s = Scheduler(config, costly, allowed_options(config, "thread", 1), ssd, inline=False)
+    assert s.auto_fallback and 1 <= s.miss_fallback(ssd) < 3
+    cheap = fed_costs(0.8, 1.0, lambda b: 1.0, 0.01, lambda w: 0.25, RANKS)
+    assert Scheduler(config, cheap, [ssd], ssd, inline=False).miss_fallback(ssd) == 6
+    kept = SSDConfig(fallback="sd")
+    s_kept = Scheduler(kept, costly, [ssd], ssd, inline=False)
+    assert not s_kept.auto_fallback
+    # The full-gamma fallback makes a miss dearer: the auto model predicts a faster round at the same hit rate.
+    assert s.model(ssd).rate > s_kept.model(ssd).rate
+    assert not Scheduler(SSDConfig(schedule="fixed"), costly, [ssd], ssd, inline=False).auto_fallback
+
+
+def test_a_hit_holds_the_steps_that_end_within_half_a_step_of_the_outcome():
+    """The job starts no step that would end more than half a step after the expected outcome, so with a
+    verify of 4.2 steps a hit holds 4 tokens whatever gamma (ceil would say 5)."""
+    costs = fed_costs(0.8, 1.05, lambda b: 1.05 / 1.08, 0.25, lambda w: 0.25, RANKS)  # verify(8) = 1.05
+    costs.record = type(costs.record)()  # no record forward (the deferred record)
+    assert costs.verify(8, 8) / costs.tree_step.predict(8) == pytest.approx(4.2)
+    s = Scheduler(SSDConfig(), costs, [Option("ssd", 8, 8)], Option("ssd", 8, 8), inline=False)
+    e4 = costs.expected_tokens(4)
+    p = s.hit_rate(8, 4, costs.acceptance)
+    assert s._hit_terms(Option("ssd", 8, 8), None)[3] == pytest.approx(e4)
+    assert s._hit_terms(Option("ssd", 8, 8), None)[1] == pytest.approx(p)
+
+
+def test_decide_repredicts_the_shortlist_between_full_passes(monkeypatch):
+    from hf_ssd import schedule
+
+    costs = fed_costs(0.8, 1.0, lambda b: 1.0, 0.25, lambda w: 0.25, RANKS)
+    config = SSDConfig()
+    options = allowed_options(config, "thread", 1)
+    s = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False)
+    s.rng = random.Random(0)
+    monkeypatch.setattr(schedule, "EXPLORE_MIN", 0.0)
+    monkeypatch.setattr(schedule, "EXPLORE", 0.0)
+    calls = []
+    real = s.predict
+    monkeypatch.setattr(s, "predict", lambda o, alpha=None: calls.append(o) or real(o, alpha))
+    counts = []
+    for _ in range(2 * schedule.FULL_EVERY):
+        calls.clear()
+        s.decide()
+        counts.append(len(calls))
+    # A full pass at the first decision and at every FULL_EVERY-th; the shortlist at the others.
+    full = [i == 0 or (i + 1) % schedule.FULL_EVERY == 0 for i in range(len(counts))]
+    assert counts == [len(options) if f else schedule.SHORTLIST for f in full]
+    # The decision equals the best of a full pass while the estimates stand still.
+    assert s.decide()[0] == s.best()[0]
