@@ -62,6 +62,7 @@ class SpeculationCache:
         self._entries: OrderedDict[Key, Branch] = OrderedDict()
         self.evictions = 0
         self.evicted_by_depth: dict[int, int] = {}
+        self._newest = -1  # the latest round_id among the entries (or of an entry since dropped)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,6 +71,9 @@ class SpeculationCache:
         return iter(list(self._entries.values()))
 
     def begin_round(self, round_id: int) -> None:
+        if self._newest < round_id:
+            self._entries.clear()  # the usual case: every entry is of an earlier round
+            return
         for key in [k for k in self._entries if k[0] < round_id]:
             del self._entries[key]
 
@@ -86,6 +90,7 @@ class SpeculationCache:
                     return False
             self._evict_one()
         self._entries[key] = branch
+        self._newest = max(self._newest, branch.round_id)
         return True
 
     def _count(self, branch: Branch) -> None:
@@ -136,6 +141,7 @@ class SpeculationCache:
                     prob *= q
                 branch = Branch(round_id + 1, k, b, prob, branch.tokens, branch.logits, branch.state, rest,
                                 branch.depth)
+                self._newest = max(self._newest, round_id + 1)
                 moved += 1
             entries[branch.key] = branch
         self._entries = entries

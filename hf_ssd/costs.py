@@ -382,7 +382,7 @@ class CostModel:
         if threads:
             fit = self.draft_with.get(threads)
             return fit.predict(n) if fit is not None else None
-        return self.draft.predict(n)
+        return self.memoized(("d", n), lambda: self.draft.predict(n))
 
     def verify(self, n: int, budget: int | None, threads: int = 0) -> float | None:
         if threads:

@@ -248,6 +248,9 @@ class SSDCandidateGenerator(CandidateGenerator):
         self._next = decided
         nxt = self._next[0]
         self._job_budget = None
+        # Built before the job starts: tensor creation lets the job's thread take the interpreter lock, and the
+        # caller would then wait for the job's preamble with the verification not yet begun.
+        candidate_ids = torch.tensor([context + tokens], dtype=input_ids.dtype, device=input_ids.device)
         if nxt.kind == "ssd" and len(context) + 1 < self.max_length:
             self._submit(context, tokens, alpha, nxt)
         self._verify_start = time.perf_counter()
@@ -262,7 +265,6 @@ class SSDCandidateGenerator(CandidateGenerator):
         if self.config.record_timeline:
             self.stats.timeline.append(event)
 
-        candidate_ids = torch.tensor([context + tokens], dtype=input_ids.dtype, device=input_ids.device)
         if logits is not None:
             logits = logits.unsqueeze(0).to(input_ids.device)
             if logits.is_cuda:
