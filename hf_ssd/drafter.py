@@ -432,13 +432,14 @@ class Drafter:
             logits = self._forward(feed, positions, tree.cache, tree.mask)
             probs = self._probs_rows(contexts, logits[:, -1])
             values, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
-            values, ids = values.cpu(), ids.cpu()
+            # One view per row at once (indexing row by row is two tensor creations per row between steps).
+            vrows, irows = values.cpu().unbind(0), ids.cpu().unbind(0)
             greedy = None if self.do_sample else probs.argmax(-1).tolist()
             for r in range(b):
                 pos[r] += 1
                 if states[r].fed >= gamma + 1:  # done: a filler feed (its last token again), nothing recorded
                     continue
-                states[r].top[pos[r] - 1] = (values[r], ids[r])
+                states[r].top[pos[r] - 1] = (vrows[r], irows[r])
                 states[r].fed += 1
                 tokens = results[r].tokens
                 if len(tokens) >= gamma:
