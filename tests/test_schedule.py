@@ -471,3 +471,34 @@ def test_decide_repredicts_the_shortlist_between_full_passes(monkeypatch):
     assert counts == [len(options) if f else schedule.SHORTLIST for f in full]
     # The decision equals the best of a full pass while the estimates stand still.
     assert s.decide()[0] == s.best()[0]
+
+
+def test_simulated_misses_draft_the_models_length_unless_the_fallback_is_set(sim_pair):
+    """Off-core, hit rounds are much faster than drafting: with budget 1 (misses common) a miss proposes fewer
+    than gamma candidates, and the same run with fallback="sd" proposes gamma at every miss (the timeline's
+    miss rounds). Greedy output identical either way."""
+    target, draft, prompt, ref = sim_pair
+
+    def miss_lengths(**extra):
+        reset_estimates(target)
+        simulate_device(target, DeviceCost(V, 0.0005, 0.0, False))
+        simulate_device(draft, DeviceCost(V / 4, 0.0002, 0.0, False))
+        lengths = []
+        try:
+            for _ in range(2):
+                out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft,
+                                      ssd_config=SSDConfig(gamma=4, fanout_budget=1, record_timeline=True, **QUIET,
+                                                           **extra))
+                assert torch.equal(out, ref)
+                tl = hf_ssd.last_stats(target).timeline
+                lengths += [e["n_candidates"] for e in tl[1:] if not e["hit"] and e["round"] > 1]
+        finally:
+            hf_ssd.models.simulated.unsimulate(target)
+            hf_ssd.models.simulated.unsimulate(draft)
+        return lengths
+
+    auto = miss_lengths()
+    fixed = miss_lengths(fallback="sd")
+    assert auto and fixed, "no misses: the test needs a budget that misses"
+    assert sum(n < 4 for n in auto) > len(auto) / 2, auto
+    assert sum(n == 4 for n in fixed) >= 0.8 * len(fixed), fixed  # fewer only at the length limit
