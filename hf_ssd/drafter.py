@@ -500,7 +500,7 @@ class Drafter:
         for i in range(n):
             row = r + i
             state = states[row]
-            if i >= len(new) or (i > 0 and new[i].bonus == first):
+            if i >= len(new):  # (`extra` never returns `first` again)
                 state.fed = 10**9  # never fed again, never recorded
                 results[row].tokens, rows[row] = [], []
                 continue

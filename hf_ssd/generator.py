@@ -31,7 +31,7 @@ from .drafter import Unfinished
 from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import Outcome, predict_outcomes
-from .predictor import calibration_for, drafted_probs, length_probs, rank_outcomes
+from .predictor import calibration_for, drafted_probs, hedged_length_probs, rank_outcomes
 from .schedule import LATE_GRACE, Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
@@ -345,8 +345,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         likeliest outcomes (g, bonus), its own first token being one of them."""
         g = len(candidates)
         if self.calibration is not None:
-            p_all = length_probs([self.calibration.p_accept(q) for q in drafted_probs(candidates, tops[:g])])[g]
-            p_all = 0.5 * (p_all + prior[g])  # as `rank_outcomes` mixes them
+            p_all = hedged_length_probs(self.calibration, drafted_probs(candidates, tops[:g]), prior)[g]
         else:
             p_all = alpha**g  # P(all g accepted) under the fan-out's i.i.d. acceptance
 
@@ -450,7 +449,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 t = time.perf_counter()
                 steps.append((width[0], t - stamp[0]))
                 stamp[0] = t
-                if hasattr(tree, "prefix"):  # rows joined after a step (k = g, grown children) count from the next
+                if hasattr(tree, "prefix"):  # grown children (pipeline_depth > 1) count from the next step
                     width[0] = len(tree.prefix)  # (the static path's tree never grows)
 
             rows = todo + [o for o, _ in unfinished]

@@ -100,6 +100,14 @@ def length_probs(p_accept: list[float]) -> list[float]:
     return probs
 
 
+def hedged_length_probs(calibration: AcceptanceCalibration, qs: list[float],
+                        length_prior: list[float] | None = None) -> list[float]:
+    """P(k accepted), k = 0..g, from the calibration at the drafted probabilities `qs`, averaged with
+    `length_prior` (P(k) from the measured per-position acceptance) when given: see `rank_outcomes`."""
+    pk = length_probs([calibration.p_accept(q) for q in qs])
+    return pk if length_prior is None else [0.5 * (a + b) for a, b in zip(pk, length_prior, strict=True)]
+
+
 def rank_outcomes(
     candidates: list[int], tops: list[TopProbs], calibration: AcceptanceCalibration, budget: int,
     length_prior: list[float] | None = None,
@@ -118,10 +126,7 @@ def rank_outcomes(
     if budget <= 0:
         return []
     g = len(candidates)
-    qs = drafted_probs(candidates, tops)
-    pk = length_probs([calibration.p_accept(q) for q in qs])
-    if length_prior is not None and len(length_prior) == g + 1:
-        pk = [0.5 * (a + b) for a, b in zip(pk, length_prior)]
+    pk = hedged_length_probs(calibration, drafted_probs(candidates, tops), length_prior)
     # (probability, k, bonus) tuples: Outcome objects only for the chosen (this runs at the start of every job).
     scored: list[tuple[float, int, int]] = []
     firsts: list[tuple[float, int, int]] = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .costs import CostModel
 from .fanout import geometric_fanout
@@ -76,6 +77,20 @@ class Prediction:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class HitTerms(NamedTuple):
+    """An SSD option's hit round, as the model sees it (`Scheduler._hit_terms`)."""
+
+    verify: float  # seconds of the verification, with the job running
+    overhead: float  # critical-path seconds the job adds (waiting for its step, adopting the branch)
+    p_hit: float  # P(the cache holds the outcome)
+    e_hit: float  # expected new tokens of a hit round
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second of hit rounds: what the automatic miss fallback trades drafting time against."""
+        return self.e_hit / (self.verify + self.overhead)
 
 
 def expected_tokens(n: int, alpha: float) -> float:
@@ -205,10 +220,10 @@ class Scheduler:
     def miss_fallback(self, option: Option) -> int:
         """`fallback_length` for a miss of an SSD round of this option, as the model predicts it."""
         terms = self._hit_terms(option, None)
-        return option.gamma if terms is None else self.fallback_length(option.gamma, None, terms[2])
+        return option.gamma if terms is None else self.fallback_length(option.gamma, None, terms.rate)
 
-    def _hit_terms(self, option: Option, alpha: float | None):
-        """(verify seconds, P(hit), tokens per second of a hit round, E of a hit) of an SSD option, or None."""
+    def _hit_terms(self, option: Option, alpha: float | None) -> HitTerms | None:
+        """The hit round of an SSD option (`HitTerms`), or None before its verify time is measured."""
         c = self.costs
         g, b = option.gamma, option.budget
         tv = c.verify(g, None if self.inline else b)
@@ -228,7 +243,7 @@ class Scheduler:
             # A hit on k = g (all n_hit candidates accepted) returns a branch that started a step late.
             all_kept = c.length_probs(n_hit)[n_hit] if alpha is None else alpha**n_hit
             e_hit += all_kept * (self._expected(min(g, steps - 1), alpha) - e_hit)
-        return tv, p, e_hit / (tv + c.overhead_for(b)), e_hit
+        return HitTerms(tv, c.overhead_for(b), p, e_hit)
 
     def predict(self, option: Option, alpha: float | None = None) -> Prediction | None:
         """The model's E / T for this option, corrected by how its own past rounds compared with the model."""
@@ -259,12 +274,12 @@ class Scheduler:
         terms = self._hit_terms(option, a)
         if terms is None:
             return None
-        tv, p, rate, e_hit = terms
-        fb = self._fallback(g, a, rate)
+        fb = self._fallback(g, a, terms.rate)
         if fb is None:
             return None
-        tokens = p * e_hit + (1.0 - p) * fb[0]
-        seconds = tv + c.overhead_for(option.budget) + (1.0 - p) * fb[1]
+        p = terms.p_hit
+        tokens = p * terms.e_hit + (1.0 - p) * fb[0]
+        seconds = terms.verify + terms.overhead + (1.0 - p) * fb[1]
         return Prediction(tokens, seconds)
 
     def best(self, predictions: dict | None = None) -> tuple[Option, Prediction | None]:

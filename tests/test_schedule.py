@@ -444,8 +444,8 @@ def test_a_hit_holds_the_steps_that_end_within_half_a_step_of_the_outcome():
     s = Scheduler(SSDConfig(), costs, [Option("ssd", 8, 8)], Option("ssd", 8, 8), inline=False)
     e4 = costs.expected_tokens(4)
     p = s.hit_rate(8, 4, costs.acceptance)
-    assert s._hit_terms(Option("ssd", 8, 8), None)[3] == pytest.approx(e4)
-    assert s._hit_terms(Option("ssd", 8, 8), None)[1] == pytest.approx(p)
+    assert s._hit_terms(Option("ssd", 8, 8), None).e_hit == pytest.approx(e4)
+    assert s._hit_terms(Option("ssd", 8, 8), None).p_hit == pytest.approx(p)
 
 
 def test_decide_repredicts_the_shortlist_between_full_passes(monkeypatch):
