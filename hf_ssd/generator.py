@@ -80,6 +80,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         # it keeps budgets up to 16.
         static, _ = config.resolved_draft_path(on_gpu)
         self.options = allowed_options(config, layout, fixed_budget, fewer, wide=not static)
+        longest = max(o.gamma for o in self.options)  # before any filter: sizes the static buffers
         fanout_max = max(config.fanout) if isinstance(config.fanout, list) else 0
         top_k = max([fanout_max] + [o.budget for o in self.options]) + 1  # before any filter: keys the estimates
         if "options" in self.hooks:  # `hf-ssd tune` and tests measure chosen options one at a time
@@ -100,7 +101,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         widest = max([sum(config.fanout) if isinstance(config.fanout, list) else 0] + [o.budget for o in self.options])
         rows = min(config.max_outcomes or widest, config.cache_size, widest)
         self.drafter = make_drafter(draft_model, config, logits_processor, do_sample, top_k, gen, out_vocab,
-                                    self.max_length, max(1, rows), prompt_mask)
+                                    self.max_length, max(1, rows), prompt_mask, longest)
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         # Inline, a job runs to its end on the critical path, so deeper levels would only add to it.
         self.depth = config.pipeline_depth if layout != "inline" and getattr(self.drafter, "supports_depth", False) else 1

@@ -119,7 +119,10 @@ class _State:
 
     def __init__(self, model, rows: int, max_len: int, cache_kw: str, keep_kw: bool, out_vocab: int, graphs: bool,
                  strict: bool):
-        self.model, self.max_len, self.graphs, self.strict = model, max_len, graphs, strict
+        # Weakly: `_states` is keyed on the model, so a strong reference here would keep the model (and these
+        # buffers, and on CUDA their graphs) alive until the process ends.
+        self._model = weakref.ref(model)
+        self.max_len, self.graphs, self.strict = max_len, graphs, strict
         self.cache_kw, self.keep_kw, self.out_vocab = cache_kw, keep_kw, out_vocab
         self.device, self.dtype = model.device, model.dtype
         self.kv = _probe_kv(model, cache_kw)
@@ -128,6 +131,10 @@ class _State:
         self.trunk, self.trunk_step = self._rows(1, "trunk (batch 1)")
         self.trees: dict[int, tuple[_Rows, StepRunner]] = {}
         self.tree_for(rows)
+
+    @property
+    def model(self):
+        return self._model()
 
     @property
     def busy(self) -> bool:
@@ -195,9 +202,10 @@ def _step_fn(model, rows: _Rows, cache_kw: str, keep_kw: bool, out_vocab: int):
     kwargs = {cache_kw: rows.cache}
     if keep_kw:
         kwargs["logits_to_keep"] = 1
+    ref = weakref.ref(model)  # the closure lives in `_states[model]`: it must not keep its key alive
 
     def step() -> torch.Tensor:
-        out = model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=rows.mask,
+        out = ref()(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=rows.mask,
                     use_cache=True, **kwargs)
         return out.logits[:, -1, :out_vocab].float()
 
@@ -231,7 +239,11 @@ def _acquire(owner, model, rows: int, max_len: int, cache_kw: str, keep_kw: bool
 
 
 def max_len_for(max_length: int, gamma: int, on_cuda: bool) -> int:
-    """Columns a call needs (context + candidates + a branch); on CUDA rounded up so graphs serve many calls."""
+    """Columns a call needs, `gamma` being the longest draft any option of the call can run.
+
+    The trunk never passes max_length (a round's draft is clipped to the tokens left), but a tree row holds the
+    trunk's T <= max_length - 1 columns and then its own gamma + 1 steps: max_length + gamma columns. On CUDA
+    rounded up so graphs serve many calls."""
     need = max_length + gamma + 2
     return -(-need // 256) * 256 if on_cuda else need
 
@@ -526,8 +538,12 @@ class StaticDrafter(Drafter):
 
 
 def make_drafter(model, config, logits_processor, do_sample: bool, top_k: int, generator, out_vocab: int,
-                 max_length: int, rows: int, prompt_mask: torch.Tensor | None = None) -> Drafter:
-    """The drafter `SSDConfig` asks for: static (with CUDA graphs on CUDA) where supported, else dynamic."""
+                 max_length: int, rows: int, prompt_mask: torch.Tensor | None = None,
+                 longest: int | None = None) -> Drafter:
+    """The drafter `SSDConfig` asks for: static (with CUDA graphs on CUDA) where supported, else dynamic.
+
+    `longest`: the longest draft (gamma) any option the call may run (default `config.gamma`); sizes the
+    static buffers."""
     static, graphs = config.resolved_draft_path(model.device.type == "cuda")
     args = (model, logits_processor, do_sample, top_k, config.saguaro_c, generator, out_vocab)
     masked = prompt_mask is not None and not bool(prompt_mask.all())
@@ -537,7 +553,7 @@ def make_drafter(model, config, logits_processor, do_sample: bool, top_k: int, g
         why = "the prompt's attention_mask masks some columns" if masked else static_support(model)
         if why is None:
             on_cuda = model.device.type == "cuda"
-            return StaticDrafter(*args, max_len=max_len_for(max_length, config.gamma, on_cuda), rows=rows,
+            return StaticDrafter(*args, max_len=max_len_for(max_length, longest or config.gamma, on_cuda), rows=rows,
                                  graphs=graphs, strict_graphs=config.cuda_graphs is True)
         explicit = config.static_draft is True or config.cuda_graphs is True
         (logger.warning if explicit else logger.info)(

@@ -133,10 +133,14 @@ def test_deepcopy_of_enabled_model_generates_with_the_copy(fresh):
     assert torch.equal(clone.generate(PROMPT, max_new_tokens=8, do_sample=False), own)
 
 
-def test_models_are_not_kept_alive():
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_models_are_not_kept_alive(static):
+    """Both draft paths: the static one keeps its buffers per draft model, weakly (they go with the draft)."""
     model = hf_ssd.enable(make_model(0))
     draft = noisy_copy(model, 0.01)
-    ssd(model, draft)
+    model.generate(PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=8,
+                   ssd_config=SSDConfig(hit_rate_warning=0.0, static_draft=static))
+    assert hf_ssd.last_stats(model).draft_path == ("static" if static else "dynamic")
     refs = [weakref.ref(model), weakref.ref(draft)]
     del model, draft
     gc.collect()

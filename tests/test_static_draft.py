@@ -510,3 +510,29 @@ def test_sampling_matches_target_distribution(case):
         hits += stats.cache_hits
     assert hits > 0
     assert_matches_target(samples, joint, case)
+
+
+# ----- buffer size at the length boundary ---------------------------------------------------------------------------
+def _longest_ssd(options):
+    """Overlapped SSD at its longest gamma (8) only: every round pre-drafts 8-token branches, the last ones too."""
+    longest = max(o.gamma for o in options if o.kind == "ssd")
+    return [o for o in options if o.kind == "ssd" and o.gamma == longest]
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["auto", "longest-options"])
+def test_static_buffers_hold_the_longest_draft_up_to_max_length(forced):
+    """The scheduler runs drafts longer than `config.gamma` (8 for SSD, 16 for confidence-stopped SD): the
+    static buffers must hold them at every distance from max_length. An identical draft accepts everything, so
+    every round drafts its whole length; forcing the longest options reaches the last columns (sized from
+    config.gamma, max_new_tokens=39 overflowed)."""
+    target = hf_ssd.enable(make_model(0))
+    same = make_model(0)
+    hooks = {"options": _longest_ssd} if forced else None
+    config = SSDConfig(static_draft=True, hit_rate_warning=0.0)
+    p = torch.tensor([[5, 6, 7, 8]])
+    for n in range(20, 61):
+        out = target.generate(p, assistant_model=same, do_sample=False, max_new_tokens=n, ssd_config=config,
+                              _ssd_hooks=hooks)
+        assert torch.equal(out, target.generate(p, do_sample=False, max_new_tokens=n)), n
+        assert hf_ssd.last_stats(target).draft_path == "static"
+    assert hf_ssd.last_stats(target).acceptance_rate > 0.95
