@@ -8,6 +8,7 @@ whose load changes. Nothing here affects what is proposed; it only informs the c
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import weakref
@@ -119,6 +120,18 @@ def _relative(rate: float):
     return lambda mx, my: rate * my / (1.0 + rate * mx)
 
 
+def _locked(method):
+    """Updates of a CostModel hold its lock: one pair's model is shared by every call on the pair, concurrent
+    calls on several threads included, and `Scheduler.decide` iterates its tables under the same lock."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class CostModel:
     """Measured costs of one (target, draft, device, layout, mode) combination. All times in seconds.
 
@@ -173,10 +186,13 @@ class CostModel:
         # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
         # independent per position, costs that are not linear).
         self.outcomes: dict[object, list[float]] = {}
-        self.lock = threading.Lock()  # one generate call at a time updates a model
+        # Held by every update (`_locked`) and by whoever reads several estimates as one view (`decide`, a job's
+        # set-up, `snapshot`). Reentrant: a reader holding it may call methods that take it again.
+        self.lock = threading.RLock()
         self._memo: dict | None = None  # see `frozen`
 
     # ----- updates ------------------------------------------------------------------------------------------
+    @_locked
     def new_call(self, keep: float = NEW_CALL_KEEP) -> None:
         """A new generate call is new text: what earlier calls showed about acceptance (scalar, per position,
         by confidence) keeps only `keep` of its weight, so the new prompt's rounds soon dominate. Costs (times)
@@ -187,12 +203,14 @@ class CostModel:
         self.confidence_seen = [keep * c for c in self.confidence_seen]
         self.confidence_accepted = [keep * c for c in self.confidence_accepted]
 
+    @_locked
     def add_acceptance(self, accepted: int, proposed: int) -> None:
         if proposed <= 0:
             return
         self.accepted = 0.95 * self.accepted + accepted
         self.tried = 0.95 * self.tried + min(proposed, accepted + 1)
 
+    @_locked
     def add_positions(self, accepted: int, proposed: int) -> None:
         """One verified round of a draft length not chosen from the draft's confidence."""
         if proposed <= 0:
@@ -204,6 +222,7 @@ class CostModel:
             self.positions[j] += 1.0
             self.positions_accepted[j] += float(j <= accepted)
 
+    @_locked
     def add_confidence(self, confidences: list[float], accepted: int) -> None:
         """The draft's top probability at each candidate position of a verified round and the accepted count.
 
@@ -219,14 +238,17 @@ class CostModel:
             self.confidence_seen[i] += 1.0
             self.confidence_accepted[i] += float(j < accepted)
 
+    @_locked
     def add_rank(self, rank: int | None) -> None:
         self.ranks = [c * self.rank_decay for c in self.ranks]
         self.ranks[self.top_k if rank is None or rank >= self.top_k else rank] += 1.0
 
+    @_locked
     def add_lookup(self, budget: int, hit: bool, predicted: float) -> None:
         self.misses[budget] = 0.95 * self.misses.get(budget, 0.0) + float(not hit)
         self.expected_misses[budget] = 0.95 * self.expected_misses.get(budget, 0.0) + 1.0 - predicted
 
+    @_locked
     def add_verify(self, n: int, seconds: float, budget: int | None, threads: int = 0) -> None:
         if threads:
             self.verify_alone_with.setdefault(threads, PointFit(_relative(0.02))).update(n, seconds)
@@ -235,6 +257,7 @@ class CostModel:
         else:
             self.verify_overlapped.setdefault(budget, PointFit(_relative(0.02))).update(n, seconds)
 
+    @_locked
     def add_round_outcome(self, option, tokens: int, seconds: float, predicted) -> None:
         sums = self.outcomes.setdefault(option, [0.0] * 5)
         for i, v in enumerate((1.0, tokens, predicted.tokens, seconds, predicted.seconds)):
@@ -253,6 +276,19 @@ class CostModel:
         t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
         return (tokens + t_prior) / (pred_tokens + t_prior), (seconds + s_prior) / (pred_seconds + s_prior)
 
+    @_locked
+    def add_record(self, seconds: float) -> None:
+        self.record.update(seconds)
+
+    @_locked
+    def add_tree_step(self, width: int, seconds: float) -> None:
+        self.tree_step.update(width, seconds)
+
+    @_locked
+    def add_round(self) -> None:
+        self.rounds_seen += 1
+
+    @_locked
     def add_overhead(self, budget: int, seconds: float) -> None:
         self.overhead.setdefault(budget, Ewma(decay=0.85)).update(seconds)
 
@@ -375,6 +411,7 @@ class CostModel:
         key = self._nearest_key(table, budget)
         return None if key is None else table[key]
 
+    @_locked
     def add_draft(self, n: int, seconds: float, threads: int = 0) -> None:
         (self.draft_with.setdefault(threads, LinearFit(_proportional)) if threads else self.draft).update(n, seconds)
 
@@ -406,6 +443,7 @@ class CostModel:
         e = self._nearest(self.overhead, budget)
         return e.value if e is not None and e.value is not None else 0.0
 
+    @_locked
     def snapshot(self, gamma: int, budgets: list[int]) -> dict:
         """The measured model at draft length gamma, for stats and `hf-ssd tune` (seconds)."""
         def r(x):

@@ -278,14 +278,15 @@ class SSDCandidateGenerator(CandidateGenerator):
         option, prediction, explored = self._current
         self.stats.add_round(option.name, now - self._round_start, prediction, explored)
         if self.round > 1 and self._outcome is not None:  # how the round went against the model's own view
-            model = self.scheduler.model(option)
+            with self.costs.lock:
+                model = self.scheduler.model(option)
             if model is not None:
                 self.costs.add_round_outcome(option, self._outcome[0] + 1, now - self._round_start, model)
         if self.round > 1:  # round 1's verification is the target's prompt prefill
             overlapped = self._job_budget is not None and not self.scheduler.inline
             self.costs.add_verify(len(self._pending[1]), now - self._verify_start,
                                   self._job_budget if overlapped else None, option.threads)
-        self.costs.rounds_seen += 1
+        self.costs.add_round()
 
     def _measure_outcome(self) -> None:
         """Where the bonus ranked among the draft's top tokens, the job's hit, and the job's own timings."""
@@ -303,9 +304,9 @@ class SSDCandidateGenerator(CandidateGenerator):
         if self.calibration is not None and len(known) == len(candidates) and all(t is not None for t in known):
             self.calibration.observe(drafted_probs(candidates, known), k)
         if "record_s" in info:
-            self.costs.record.update(info["record_s"])
+            self.costs.add_record(info["record_s"])
         for width, seconds in info.get("steps", []):
-            self.costs.tree_step.update(width, seconds)
+            self.costs.add_tree_step(width, seconds)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches):
         self.verify_intervals.append((self._verify_start, time.perf_counter()))
@@ -369,15 +370,16 @@ class SSDCandidateGenerator(CandidateGenerator):
         limit = self._outcome_limit(budget)
         info: dict = {}
         self._job_info, self._job_budget = info, budget
-        prior = list(self.costs.length_probs(g))  # measured P(k), read here: the caller's thread updates it
-        # Uncalibrated: the calibration is measured hits over the model's own predictions (a calibrated one
-        # would only correct the model by the square root of its error).
-        self._job_predicted = (self.scheduler.hit_rate(budget, g, self.costs.acceptance, calibrated=False)
-                               if budget > 0 else 0.0)
-        # When the outcome is expected: the last, optional step (feeding the gamma-th token) is skipped if it
-        # would not finish by then, since the caller would wait for it (an unfinished step cannot be cut).
-        verify_s = self.costs.verify(g, None if self.scheduler.inline else budget)
-        step_s = self.costs.tree_step.predict(max(budget, 1))
+        with self.costs.lock:  # one view of estimates that other calls on this pair may be updating
+            prior = list(self.costs.length_probs(g))  # measured P(k), read here: the caller's thread updates it
+            # Uncalibrated: the calibration is measured hits over the model's own predictions (a calibrated one
+            # would only correct the model by the square root of its error).
+            self._job_predicted = (self.scheduler.hit_rate(budget, g, self.costs.acceptance, calibrated=False)
+                                   if budget > 0 else 0.0)
+            # When the outcome is expected: the last, optional step (feeding the gamma-th token) is skipped if it
+            # would not finish by then, since the caller would wait for it (an unfinished step cannot be cut).
+            verify_s = self.costs.verify(g, None if self.scheduler.inline else budget)
+            step_s = self.costs.tree_step.predict(max(budget, 1))
         deadline = time.perf_counter() + verify_s if verify_s is not None and not self.scheduler.inline else None
 
         def job(should_stop):
