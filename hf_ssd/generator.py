@@ -536,15 +536,17 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.speculator.submit(job)
 
     def close(self) -> None:
+        try:
+            self.speculator.close()
+        finally:  # whatever close raised, the static buffers go back for the next call
+            getattr(self.drafter, "release", lambda: None)()
+            self.cache.clear()
         if self._current is not None and self.stats.rounds >= self.round:  # the last round: now verified
             self.stats.add_round(self._current[0].name, time.perf_counter() - self._round_start, *self._current[1:])
             self._current = None
-        self.speculator.close()
-        getattr(self.drafter, "release", lambda: None)()  # static buffers go back for the next call
         self.stats.evictions = self.cache.evictions
         self.stats.evictions_by_depth = dict(self.cache.evicted_by_depth)
         self.stats.pipeline_depth = self.depth
         self.stats.draft_forwards = self.drafter.forwards
         budgets = sorted({o.budget for o in self.options if o.kind == "ssd"})
         self.stats.cost_model = self.costs.snapshot(self.scheduler.default.gamma, budgets)
-        self.cache.clear()

@@ -147,8 +147,11 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
         _active.call = call
         try:
             out = type(model).generate(model, *args, **kwargs)
-        except BaseException:
-            _close(call, raise_pending=False)  # the error already propagating is the one to report
+        except BaseException as err:
+            try:
+                _close(call, raise_pending=False)
+            except BaseException as close_err:  # noqa: BLE001 - the error already propagating is the one to report
+                logger.error("hf_ssd: closing the speculator after %s also failed: %r", type(err).__name__, close_err)
             raise
         _close(call, raise_pending=True)  # a failure of the last (unused) speculation job still surfaces
     end = time.perf_counter()
@@ -193,9 +196,12 @@ def _close(call: dict, raise_pending: bool) -> None:
     _active.call = None
     gen = call["generator"]
     if gen is not None:
-        gen.close()
-        if raise_pending:
-            gen.speculator.raise_pending()
+        try:
+            gen.close()
+        finally:
+            pending = gen.speculator.take_pending()  # never left behind: the next call starts clean
+        if raise_pending and pending is not None:
+            raise pending
 
 
 def _validate_call(model, draft, args, kwargs) -> None:

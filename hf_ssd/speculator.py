@@ -16,6 +16,15 @@ import torch
 
 Job = Callable[[Callable[[], bool]], None]
 
+# How long the caller waits for a signalled job (one draft step) or for the worker to exit, before giving up
+# with SpeculatorTimeout: a step is at most a few seconds even for a wide tree on CPU cores; a device call that
+# never returns must not hang generate.
+WAIT_TIMEOUT_S = 120.0
+
+
+class SpeculatorTimeout(RuntimeError):
+    """The speculation job did not stop within WAIT_TIMEOUT_S (a draft forward that never returned)."""
+
 
 class Speculator:
     def __init__(self, layout: str, cpu_threads: int | None = None, device: torch.device | None = None):
@@ -59,18 +68,28 @@ class Speculator:
     def collect(self) -> None:
         """Signal that the outcome is known, wait for the job, and raise its error here if it failed."""
         self._arrived.set()
-        self._done.wait()
+        if not self._done.wait(WAIT_TIMEOUT_S):
+            raise SpeculatorTimeout(self._stuck("its current draft step"))
         self.raise_pending()
 
     def close(self) -> None:
-        """Stop the background thread; never leaves it running after `generate` returns or raises."""
+        """Stop the background thread; never leaves it running after `generate` returns or raises, and returns
+        within WAIT_TIMEOUT_S (else SpeculatorTimeout: the thread, a daemon, is stuck in a call that never
+        returned and cannot be stopped from Python)."""
         self._arrived.set()
         self._closing = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
         self._job = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(WAIT_TIMEOUT_S)
+            if thread.is_alive():
+                raise SpeculatorTimeout(self._stuck("its exit"))
+
+    @staticmethod
+    def _stuck(what: str) -> str:
+        return (f"hf_ssd: the speculator thread did not reach {what} within {WAIT_TIMEOUT_S:.0f} s: a draft forward "
+                "did not return (a stuck device call?). The draft model may be unusable; check its device.")
 
     @contextlib.contextmanager
     def on_critical_path(self):
@@ -88,9 +107,14 @@ class Speculator:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def raise_pending(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
+        err = self.take_pending()
+        if err is not None:
             raise err
+
+    def take_pending(self) -> BaseException | None:
+        """The job's error, if it failed and it was not raised yet (cleared)."""
+        err, self._error = self._error, None
+        return err
 
     # ----- internals -------------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:

@@ -111,8 +111,23 @@ def test_fault_in_draft_model_forward(target, close_draft, reference):
     assert_recovered(target, close_draft, reference)
 
 
-def test_fault_in_last_round_job_is_not_lost(target, close_draft):
-    """An error in the speculation job running while the final round is verified must not vanish."""
+class FaultFromCall(FaultAtCall):
+    """Raises `exc` on every call from the `at`-th on."""
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.at:
+            self.raised_at = time.perf_counter()
+            _planted_fault_frame(self.exc)
+
+
+@pytest.mark.parametrize("layout", ["inline", "thread"])
+def test_fault_in_last_round_job_is_not_lost(target, close_draft, layout):
+    """An error in the speculation job running while the final round is verified must not vanish.
+
+    Inline, with one fixed option, the rounds repeat exactly, so the fault lands in the last job. On a thread
+    the number of jobs depends on timing (a job cut short misses): the fault then fires in every job from the
+    counted last one on, so it lands in the last job whether the run has as many jobs or more."""
     eos = int(target.generate(PROMPT, max_new_tokens=8, do_sample=False)[0, -1])
 
     class Slow(StoppingCriteria):  # gives the last job time to run before generate ends
@@ -120,16 +135,22 @@ def test_fault_in_last_round_job_is_not_lost(target, close_draft):
             time.sleep(0.05)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
+    config = SSDConfig(gamma=4, layout=layout, hit_rate_warning=0.0, schedule="fixed", fanout="geometric",
+                       fanout_budget=2)
+
     def run(hook):
         return ssd(target, close_draft, eos_token_id=eos, stopping_criteria=StoppingCriteriaList([Slow()]),
-                   _ssd_hooks={"predict": hook})
+                   _ssd_hooks={"predict": hook}, ssd_config=config)
 
     counter = FaultAtCall(InjectedFault, at=10**9)
     run(counter)
     jobs = counter.calls
     assert jobs >= 1
+    fault = (FaultAtCall if layout == "inline" else FaultFromCall)(InjectedFault, at=jobs)
     with pytest.raises(InjectedFault):
-        run(FaultAtCall(InjectedFault, at=jobs))
+        run(fault)
+    if layout == "inline":
+        assert fault.calls == jobs, "the fault did not land in the last job"
     assert not speculator_threads()
 
 
@@ -214,3 +235,75 @@ def test_repeated_faults_do_not_accumulate_threads(target, close_draft, referenc
             ssd(target, close_draft, _ssd_hooks={STAGES[i % 3]: FaultAtCall(InjectedFault, at=1 + i % 2)})
     assert threading.active_count() == baseline
     assert_recovered(target, close_draft, reference)
+
+
+# ----- shutdown: bounded waits, the first error wins, buffers always released ------------------------------------
+
+
+def test_stuck_speculator_job_does_not_hang_generate(target, close_draft, reference, monkeypatch):
+    """A draft call that never returns (a stuck device call) makes generate raise within the bounded wait
+    instead of hanging it, at collect and at exit alike."""
+    import hf_ssd.speculator as spec
+
+    monkeypatch.setattr(spec, "WAIT_TIMEOUT_S", 0.5)
+    release = threading.Event()
+    stuck = FaultAtCall(InjectedFault, at=10**9)
+
+    def hang():
+        stuck()
+        if stuck.calls == 2:
+            release.wait(30)
+
+    start = time.perf_counter()
+    try:
+        with pytest.raises(spec.SpeculatorTimeout, match="did not reach"):
+            ssd(target, close_draft, _ssd_hooks={"draft": hang})
+        assert time.perf_counter() - start < 10, "generate waited far beyond the bounded wait"
+    finally:
+        release.set()  # the stuck job returns; the worker, told to close, exits
+    deadline = time.monotonic() + 5
+    while speculator_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert_recovered(target, close_draft, reference)
+
+
+def test_error_while_closing_does_not_replace_the_callers_error(target, close_draft, reference, monkeypatch):
+    """The user gets the first error (here from a stopping criterion), not one raised while shutting down."""
+    from hf_ssd.generator import SSDCandidateGenerator
+
+    real_close = SSDCandidateGenerator.close
+
+    def failing_close(self):
+        real_close(self)
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(SSDCandidateGenerator, "close", failing_close)
+    criteria = StoppingCriteriaList([RaisingCriteria(FaultAtCall(InjectedFault, at=3))])
+    with pytest.raises(InjectedFault):
+        ssd(target, close_draft, stopping_criteria=criteria)
+    monkeypatch.undo()
+    assert_recovered(target, close_draft, reference)
+
+
+def test_failed_close_still_releases_the_static_buffers(target, close_draft, reference, monkeypatch):
+    """A failure in the speculator's shutdown must not leave the draft's static buffers marked busy (the next
+    call would then allocate new ones instead of reusing them)."""
+    import hf_ssd.static_draft as sd
+    from hf_ssd.speculator import Speculator
+
+    config = SSDConfig(gamma=4, layout="thread", hit_rate_warning=0.0, static_draft=True)
+    real_close = Speculator.close
+
+    def failing_close(self):
+        real_close(self)
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(Speculator, "close", failing_close)
+    with pytest.raises(RuntimeError, match="close failed") as info:  # held, as a caller logging it would
+        ssd(target, close_draft, ssd_config=config)
+    monkeypatch.undo()
+    state = sd._states[close_draft][False]
+    assert not state.busy, "the static buffers stayed marked busy after a failed close"
+    del info
+    assert torch.equal(ssd(target, close_draft, ssd_config=config), reference)
+    assert sd._states[close_draft][False] is state, "the buffers were not reused"
