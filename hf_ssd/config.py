@@ -57,7 +57,8 @@ class SSDConfig:
         cache_size: capacity of the speculation cache (entries); never exceeded. With `pipeline_depth` > 1 it also
             bounds how many branches for later rounds are kept.
         eviction: `"lru"` (least recently inserted or used first) or `"probability"` (least likely outcome chain
-            first) when the cache is full.
+            first) when the cache is full. Acts only with `pipeline_depth` > 1: at depth 1 a round's entries are
+            bounded by `cache_size` (the outcomes per round are), so the cache never overflows.
         pipeline_depth: how many rounds ahead the speculator may pre-draft. 1: only branches for the outcome of
             the round being verified. d > 1: once those are drafted and the outcome has not arrived, it predicts
             the outcomes of the most likely branches and pre-drafts the round after (and so on to depth d); a hit
@@ -67,7 +68,8 @@ class SSDConfig:
             tokens now, `"ar"` proposes nothing this round, `"ngram"` proposes a prompt-lookup continuation.
             Left unset with `schedule="auto"`, a miss drafts the length the scheduler's cost model finds best
             (from 1 to gamma; short where hit rounds are much faster than drafting, docs/scheduling.md).
-        fallback_gamma: draft length of the `"short"` fallback (default: gamma // 2, at least 1).
+        fallback_gamma: draft length of the `"short"` fallback (default: gamma // 2, at least 1). Given without
+            `fallback`, it selects `fallback="short"`; with another fallback it is an error (it would be ignored).
         ngram_size: longest n-gram matched by the `"ngram"` fallback.
         saguaro_c: Saguaro sampling constant in [0, 1): when sampling, the draft probabilities of the top
             fan-out tokens are scaled by C before drafting, so that a rejection's residual lands on tokens the
@@ -174,6 +176,12 @@ class SSDConfig:
         _check_choice("fallback", self.fallback, FALLBACKS)
         if self.fallback_gamma is not None:
             _check_int("fallback_gamma", self.fallback_gamma, 1, self.gamma)
+            if self.fallback != "short":
+                raise SSDConfigError(
+                    f"SSDConfig.fallback_gamma is the draft length of fallback='short', but fallback is "
+                    f"{self.fallback!r}, which would ignore it. Use fallback='short' (or leave fallback unset), or "
+                    "remove fallback_gamma."
+                )
         _check_int("ngram_size", self.ngram_size, 1, 32)
         if self.saguaro_c is not None:
             if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)):
@@ -264,6 +272,8 @@ def _init_tracking_set_fields(self, *args, **kwargs):
     # Which fields the caller passed: the scheduler treats those as constraints. (A copy made with
     # dataclasses.replace passes every field, so it counts gamma as set.)
     passed = {f.name for f in fields(SSDConfig)[: len(args)]} | set(kwargs)
+    if kwargs.get("fallback_gamma") is not None and "fallback" not in passed:
+        kwargs["fallback"] = "short"  # the only fallback that reads it: asking for its length asks for it
     self.__dict__["_set_fields"] = frozenset()
     _dataclass_init(self, *args, **kwargs)
     self.__dict__["_set_fields"] = frozenset(passed)

@@ -13,14 +13,13 @@ where it left off.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from .kvcache import SequenceView, UnsupportedDraftError, holds_tensors, new_cache
+from .kvcache import SequenceView, UnsupportedDraftError, forward_params, holds_tensors, new_cache
 from .outcomes import Outcome
 
 TopProbs = tuple[torch.Tensor, torch.Tensor]  # (probabilities, token ids), most likely first
@@ -138,7 +137,7 @@ class Drafter:
         self.top_k = max(1, top_k)
         self.saguaro_c = saguaro_c if do_sample else None
         self.generator = generator
-        params = inspect.signature(model.forward).parameters
+        params = forward_params(model)
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._pos_kw = "position_ids" in params  # ALiBi models (Bloom, MPT) take none: positions come from the mask
         self.view = SequenceView(prompt_mask, self.device)

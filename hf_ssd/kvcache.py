@@ -47,12 +47,24 @@ def stateful_reason(model) -> str | None:
     return None
 
 
+def forward_params(model) -> set[str]:
+    """The keyword arguments `model`'s forward takes.
+
+    A forward replaced by a pass-through wrapper (`*args, **kwargs`: profilers, latency shims, some hooks) hides
+    the model's own; then the class's forward, which the wrapper ends up calling, says what it takes."""
+    own = inspect.signature(model.forward).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own.values()):
+        return set(own)
+    named = {n for n, p in own.items() if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+    return named | (set(inspect.signature(type(model).forward).parameters) - {"self"})
+
+
 def check_draft(model) -> None:
     """Raise UnsupportedDraftError unless the drafter can crop, batch and mask `model`'s KV cache."""
     name = type(model).__name__
     why = stateful_reason(model)
     if why is None:
-        params = inspect.signature(model.forward).parameters
+        params = forward_params(model)
         supports = getattr(model, "_supports_default_dynamic_cache", None)
         if not ({"cache", "past_key_values"} & set(params)) or (callable(supports) and not supports()):
             why = f"{name} does not take a transformers DynamicCache"

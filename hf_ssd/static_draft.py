@@ -18,7 +18,6 @@ drafted tokens in columns T, T+1, ...; its mask hides the candidates it assumes 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import weakref
@@ -30,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .drafter import BranchState, Drafter, DraftResult
 from .graphs import GraphCaptureError, StepRunner, host_list, to_device, to_host
+from .kvcache import forward_params
 from .outcomes import Outcome
 
 logger = logging.getLogger("hf_ssd")
@@ -46,7 +46,7 @@ def static_support(model) -> str | None:
         return f"attention implementation {impl!r} (the static path needs 'eager' or 'sdpa' for its 4D masks)"
     if getattr(config, "alibi", False) or getattr(config, "model_type", "") in _ALIBI_TYPES:
         return "ALiBi position biases"
-    params = inspect.signature(model.forward).parameters
+    params = forward_params(model)
     if "position_ids" not in params or "attention_mask" not in params:
         return "a forward without position_ids/attention_mask"
     try:

@@ -59,7 +59,10 @@ class SSDStats:
     # outcome (the summed probabilities of that round's entries), binned, against how often it did.
     predicted_hits: float = 0.0
     hit_calibration_bins: dict = field(default_factory=dict)  # bin (0..4, by predicted probability) -> [n, predicted sum, hits]
-    wall_time: float = 0.0
+    wall_time: float = 0.0  # what the caller waited for, from entering generate to its return
+    # Of wall_time: before transformers' generate began (input checks; on a draft's first call, its probe, whose
+    # first forwards also fault its weights into memory).
+    setup_time: float = 0.0
     verify_time: float = 0.0
     speculate_time: float = 0.0
     fallback_draft_time: float = 0.0
@@ -170,8 +173,11 @@ class SSDStats:
         return f" | depth {self.pipeline_depth}: hits by depth {hits or 'none'}, {self.evictions} evictions"
 
     def summary(self) -> str:
+        setup = ""
+        if self.setup_time >= max(0.5, 0.05 * self.wall_time):  # worth saying: a first call's probe, mostly
+            setup = f", {self.setup_time:.2f}s of it set-up before decoding"
         return (
-            f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.2f} tok/s) | "
+            f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.2f} tok/s{setup}) | "
             f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
             f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted {self.predicted_hit_rate:.1%})"
             f"{self._depth_summary()} | bubble ratio {self.bubble_ratio:.1%} | "

@@ -97,6 +97,7 @@ CONFIG_CASES = [
     ({"fallback_gamma": 0}, "SSDConfig.fallback_gamma must be between 1 and 4"),
     ({"gamma": 4, "fallback_gamma": 5}, "SSDConfig.fallback_gamma must be between 1 and 4"),
     ({"fallback_gamma": 2.0}, "SSDConfig.fallback_gamma must be an int"),
+    ({"fallback": "sd", "fallback_gamma": 2}, "SSDConfig.fallback_gamma is the draft length of fallback='short', but fallback is 'sd'"),
     ({"ngram_size": 0}, "SSDConfig.ngram_size must be between 1 and 32"),
     ({"ngram_size": 33}, "SSDConfig.ngram_size must be between 1 and 32"),
     ({"ngram_size": "3"}, "SSDConfig.ngram_size must be an int"),

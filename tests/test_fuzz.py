@@ -75,6 +75,7 @@ def models(target, random_draft):
 @st.composite
 def ssd_configs(draw) -> SSDConfig:
     gamma = draw(st.integers(1, 8))
+    fallback = draw(st.sampled_from(FALLBACKS))
     fanout = draw(st.one_of(
         st.sampled_from(["geometric", "calibrated"]), st.lists(st.integers(0, 4), min_size=gamma + 1, max_size=gamma + 1),
     ))
@@ -85,8 +86,8 @@ def ssd_configs(draw) -> SSDConfig:
         max_outcomes=draw(st.integers(0, 16)),
         cache_size=draw(st.integers(1, 16)),
         eviction=draw(st.sampled_from(EVICTIONS)),
-        fallback=draw(st.sampled_from(FALLBACKS)),
-        fallback_gamma=draw(st.none() | st.integers(1, gamma)),
+        fallback=fallback,
+        fallback_gamma=draw(st.none() | st.integers(1, gamma)) if fallback == "short" else None,  # else refused
         ngram_size=draw(st.integers(1, 4)),
         saguaro_c=draw(st.none() | st.floats(0.0, 0.99)),
         initial_acceptance=draw(st.floats(0.0, 1.0)),

@@ -67,9 +67,12 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
                         "fixed: always overlapped SSD")
     g.add_argument("--pipeline-depth", type=int, default=d.pipeline_depth,
                    help="rounds the speculator may pre-draft ahead (1: only the round being verified)")
-    g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="speculation cache eviction policy")
-    g.add_argument("--fallback", choices=FALLBACKS, default=d.fallback, help="what a cache miss does")
-    g.add_argument("--fallback-gamma", type=int, default=d.fallback_gamma, help="draft length of the 'short' fallback (default: gamma // 2)")
+    g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="speculation cache eviction policy; acts only with --pipeline-depth > 1 (at depth 1 a "
+                        "round's entries never exceed --cache-size)")
+    g.add_argument("--fallback", choices=FALLBACKS, default=None,
+                   help=f"what a cache miss does (default: {d.fallback!r}; unset with --schedule auto, a miss drafts "
+                        "the length the cost model finds best)")
+    g.add_argument("--fallback-gamma", type=int, default=d.fallback_gamma, help="draft length of the 'short' fallback (default: gamma // 2); alone it selects --fallback short")
     g.add_argument("--saguaro-c", type=float, default=d.saguaro_c, help="Saguaro sampling constant in [0, 1) (default: off)")
     if with_gamma:
         g.add_argument("--layout", choices=LAYOUTS, default=d.layout, help="where the speculator runs")
@@ -96,8 +99,9 @@ def ssd_options(args) -> dict:
             "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs", "schedule",
             "draft_matmul"]
     options = {k: getattr(args, k) for k in keys if hasattr(args, k)}
-    if options.get("gamma") is None:
-        options.pop("gamma", None)  # not given: SSDConfig's default, which the scheduler may tune
+    for key in ("gamma", "fallback"):  # not given: SSDConfig's default, which the scheduler may tune
+        if options.get(key) is None:
+            options.pop(key, None)
     return options
 
 
