@@ -22,6 +22,7 @@ import weakref
 import torch
 from transformers import GenerationMixin
 
+from .batch import loop as batch_loop
 from .config import SSDConfig
 from .costs import cost_model_for
 from .generator import SSDCandidateGenerator
@@ -138,6 +139,8 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     _validate_call(model, draft, args, kwargs)
     layout = resolve_layout(config.layout, model, draft)
     probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
+    if _batch_size(args, kwargs) > 1:
+        return _batched_generate(model, draft, config, args, kwargs, start)
     call = {"model": model, "config": config, "layout": layout, "hooks": hooks, "generator": None,
             "cpu_threads": None}
     if getattr(_active, "call", None) is not None:
@@ -183,6 +186,23 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
             "hf_ssd: speculation cache hit rate %.0f%% is under %.0f%% (%d/%d). %s",
             100 * stats.hit_rate, 100 * config.hit_rate_warning, stats.cache_hits, stats.lookups, advice,
         )
+    if hasattr(out, "sequences"):
+        out.ssd_stats = stats
+    return out
+
+
+def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: float):
+    """B > 1: hf_ssd's own loop (batch/loop.py) as transformers' `custom_generate`; transformers prepares the
+    inputs, processors and stopping criteria, and the loop runs AR or plain SD rounds over all rows."""
+    stats = SSDStats(layout="batch", schedule=config.schedule, draft_path="batched")
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "assistant_tokenizer")}
+    decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats)
+    stats.setup_time = time.perf_counter() - start
+    with draft_matmul(draft, config.draft_matmul, model):
+        out = type(model).generate(model, *args, custom_generate=decode, **kwargs)
+    stats.finalize((start, time.perf_counter()), [], [])
+    with _stats_lock:
+        _last_stats[model] = stats
     if hasattr(out, "sequences"):
         out.ssd_stats = stats
     return out
@@ -257,11 +277,16 @@ def _validate_call(model, draft, args, kwargs) -> None:
             "assistant_ensemble_weight relaxes verification (not lossless); SSD keeps the target's exact output. "
             "Remove assistant_ensemble_weight."
         )
-    inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
-    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
-        raise SSDUsageError(
-            f"SSD supports batch size 1 (got {inputs.shape[0]} sequences); generate each prompt separately."
-        )
+    rows = _batch_size(args, kwargs)
+    if rows > 1:
+        if kwargs.get("streamer") is not None:
+            raise SSDUsageError(f"A streamer takes one sequence; this batch has {rows}. Remove streamer= (or "
+                                "generate the prompts one at a time to stream each).")
+        asked = [k for k in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+                 if kwargs.get(k, getattr(gen_config, k, False))]
+        if asked:
+            raise SSDUsageError(f"Batched SSD calls (here {rows} sequences) return sequences only; remove "
+                                f"{', '.join(asked)} (or generate one prompt at a time, which returns them).")
     if model.config.is_encoder_decoder:
         raise SSDUsageError("SSD supports decoder-only models; encoder-decoder models are not supported.")
     why = stateful_reason(model)
@@ -278,6 +303,11 @@ def _validate_call(model, draft, args, kwargs) -> None:
             f"Draft and target disagree on the end-of-sequence token (draft {sorted(d_eos)}, target "
             f"{sorted(t_eos)}): they do not share a tokenizer. Pick a draft of the same model family."
         )
+
+
+def _batch_size(args, kwargs) -> int:
+    inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
+    return int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
 
 
 def _same_tokenizer(a, b, model, draft) -> bool:

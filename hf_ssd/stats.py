@@ -70,6 +70,8 @@ class SSDStats:
     overlap_time: float = 0.0
     draft_forwards: int = 0
     layout: str = ""
+    batch_size: int = 1
+    rows: list = field(default_factory=list)  # batched calls: per row new tokens, rounds, acceptance
     draft_path: str = ""  # "dynamic", "static" or "static+graphs"
     schedule: str = ""
     options: dict = field(default_factory=dict)

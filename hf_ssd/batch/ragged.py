@@ -1,0 +1,135 @@
+"""A model's KV cache for a batch whose rows advance by different amounts each round.
+
+Every forward appends the same number of columns to every row (a block); columns a row does not own (padding
+of a shorter block, candidates the target rejected) stay in the cache but are masked out of attention for
+good, and each row's tokens get explicit positions (its own count of real tokens so far), so a row sees exactly
+the keys it would see alone. When masked columns pile up, `compact` moves every row's attended columns to the
+right end (RoPE is already applied to cached keys, so moving a column changes nothing it computes).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ..kvcache import forward_params, holds_tensors, new_cache
+
+COMPACT_WASTE = 0.25  # compact when masked columns exceed this share of the cache (and at least COMPACT_MIN)
+COMPACT_MIN = 32
+
+
+class RaggedCache:
+    def __init__(self, model, out_vocab: int | None = None):
+        self.model = model
+        self.device = model.device
+        params = forward_params(model)
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" in params
+        self._pos_kw = "position_ids" in params
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.in_vocab = getattr(emb, "num_embeddings", None)  # ids past the embedding (a padded pair) read as 0
+        self.out_vocab = out_vocab
+        self.cache = new_cache()
+        self.mask: torch.Tensor | None = None  # [rows, columns] long: 1 where the row attends
+        self.forwards = 0
+        # A sliding window counts columns, not positions: such a model needs each row's attended columns
+        # contiguous (compacted after every round that masked some), or its windows would reach too far back.
+        try:
+            layers = DynamicCache(config=model.config).layers
+        except Exception:  # noqa: BLE001 - a config DynamicCache cannot describe: assume windows
+            layers = [None]
+        self.sliding = any(type(layer) is not DynamicLayer for layer in layers)
+
+    @property
+    def columns(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, keep_last: int) -> torch.Tensor:
+        """Append a block ([rows, W] ids, valid flags, positions); float logits of its last `keep_last` columns."""
+        valid = valid.to(device=self.device, dtype=torch.long)
+        ids = ids.to(self.device)
+        if self.in_vocab is not None:
+            ids = ids.masked_fill(ids >= self.in_vocab, 0)
+        if self.mask is None and not bool(valid.all()):
+            return self._prefill(ids, valid, keep_last)
+        self.mask = valid if self.mask is None else torch.cat([self.mask, valid], dim=1)
+        out = self._model(ids, self.mask, positions.to(self.device), self.cache, keep_last)
+        return out.logits[:, -keep_last:].float()
+
+    def _model(self, ids, mask, positions, cache, keep_last: int):
+        kwargs = {self._cache_kw: cache}
+        if self._keep_kw:
+            kwargs["logits_to_keep"] = keep_last
+        if self._pos_kw:
+            kwargs["position_ids"] = positions
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
+        self.forwards += 1
+        if self.out_vocab is not None:
+            out.logits = out.logits[..., : self.out_vocab]
+        return out
+
+    def _prefill(self, ids: torch.Tensor, valid: torch.Tensor, keep_last: int) -> torch.Tensor:
+        """The first block of a padded batch: each row's tokens alone, then the caches stitched, left-padded with
+        masked zero columns. (Padding queries with nothing to attend to would make eager attention produce NaN
+        states, which reach every later query through the masked columns' values.)"""
+        width = ids.shape[1]
+        counts = valid.sum(dim=1).tolist()
+        if not bool((valid == (torch.arange(width, device=self.device)[None, :] >= width - valid.sum(1, keepdim=True)))
+                    .all()) or min(counts) < keep_last:
+            raise ValueError("hf_ssd internal error: a first block must be right-aligned and hold keep_last tokens")
+        caches, logits = [], []
+        for row, n in enumerate(counts):
+            cache = new_cache()
+            out = self._model(ids[row : row + 1, width - n:], None, torch.arange(n, device=self.device)[None, :],
+                              cache, keep_last)
+            caches.append(cache)
+            logits.append(out.logits[:, -keep_last:].float())
+        self.cache = caches[0]
+        for i, layer in enumerate(self.cache.layers):
+            if holds_tensors(layer):
+                for name in ("keys", "values"):
+                    parts = [getattr(c.layers[i], name) for c in caches]
+                    setattr(layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+                                                    for t in parts]))
+        self.mask = valid
+        return torch.cat(logits)
+
+    def keep(self, last: int, keep: torch.Tensor) -> None:
+        """Of the last `last` columns, each row keeps attending only where `keep` ([rows, last] bool) is set."""
+        if last:
+            self.mask[:, -last:] &= keep.to(device=self.device, dtype=torch.long)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (finished rows stop costing work)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if holds_tensors(layer):
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        if self.mask is not None:
+            self.mask = self.mask[index]
+
+    def maybe_compact(self) -> None:
+        """Drop masked columns once they are a large share of the cache (memory and attention time), or at once
+        where a sliding window needs each row contiguous."""
+        if self.mask is None:
+            return
+        cols = self.mask.shape[1]
+        counts = self.mask.sum(dim=1)
+        need = int(counts.max())
+        if self.sliding:
+            first = torch.where(counts > 0, self.mask.argmax(dim=1), cols)  # each row's first attended column
+            if bool((counts == cols - first).all()):
+                return  # every row contiguous up to the last column
+        elif cols - need < max(COMPACT_MIN, COMPACT_WASTE * cols):
+            return
+        # Per row: its attended columns in order, right-aligned; the columns left of them are masked filler.
+        order = torch.argsort(self.mask, dim=1, stable=True)[:, cols - need:]  # masked first, then attended
+        for layer in self.cache.layers:
+            if holds_tensors(layer):
+                base = order[:, None, :, None]
+                layer.keys = layer.keys.gather(2, base.expand(*layer.keys.shape[:2], need, layer.keys.shape[-1]))
+                layer.values = layer.values.gather(
+                    2, base.expand(*layer.values.shape[:2], need, layer.values.shape[-1]))
+        self.mask = self.mask.gather(1, order)

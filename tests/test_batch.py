@@ -1,0 +1,202 @@
+"""Batched calls (B > 1, hf_ssd/batch/): every row exact.
+
+Greedy: every row identical to the target's own batched `generate` on the same (left-padded) batch and to the
+row run alone, for B in {2, 3, 8, 16}, mixed prompt lengths, rows ending early at EOS, AR and SD rounds at
+several gamma (the scheduler's choice, and fixed), families with sliding windows, and the ragged caches'
+compaction. Sampling: per row, chi-square tests against the exact distribution (tests/test_sampling.py), rows at
+different acceptance. Users: pipelines with batch_size, clear errors for what batches do not serve.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from conftest import make_model, noisy_copy
+from test_families import build
+from test_sampling import GEN, L, N, assert_matches_target, exact_joint, sampling_pair
+
+import hf_ssd
+import hf_ssd.batch.ragged as ragged
+from hf_ssd import SSDConfig, SSDUsageError
+
+NEW = 20
+QUIET = {"hit_rate_warning": 0.0}
+CONFIGS = {
+    "auto": SSDConfig(**QUIET),
+    "sd_g1": SSDConfig(gamma=1, schedule="fixed", **QUIET),
+    "sd_g3": SSDConfig(gamma=3, schedule="fixed", **QUIET),
+    "sd_g6": SSDConfig(gamma=6, schedule="fixed", **QUIET),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """SDPA target (its own padded batches are exact: eager attention turns fully padded queries into NaN states)
+    and two drafts: one close (long accepted runs), one noisy (many rejections, so rows diverge)."""
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    target.generation_config.eos_token_id = None  # rows end at NEW tokens unless a test names an EOS
+    return target, noisy_copy(target, 0.002), noisy_copy(target, 0.02)
+
+
+def padded_batch(lengths: list[int], seed: int, vocab: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(2, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def lengths_for(b: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(100 + seed)
+    return torch.randint(2, 10, (b,), generator=g).tolist()
+
+
+def assert_rows_exact(target, draft, ids, mask, config, batched_reference: bool = True, **kw):
+    """Identical to the target's own batched generate, and each row to the row alone. (`batched_reference`
+    False: eager attention, whose own padded batches compute NaN states for padding and so garbage for padded
+    rows; hf_ssd prefills each row alone and stays exact there.)"""
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=config, **kw)
+    if batched_reference:
+        want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **kw)
+        assert out.shape == want.shape and torch.equal(out, want), (out, want)
+    width = ids.shape[1]
+    pad = target.generation_config.pad_token_id
+    for i in range(ids.shape[0]):
+        prompt = ids[i : i + 1, width - int(mask[i].sum()):]
+        alone = target.generate(prompt, do_sample=False, max_new_tokens=NEW, **kw)[0, prompt.shape[1]:]
+        row = out[i, width:]
+        assert torch.equal(row[: alone.numel()], alone), i
+        assert bool((row[alone.numel():] == pad).all()), i  # padded after its end
+    return hf_ssd.last_stats(target)
+
+
+@pytest.mark.parametrize("b", [2, 3, 8, 16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_rows_identical_to_target(pair, b, name):
+    target, close, noisy = pair
+    for seed, draft in enumerate((close, noisy)):
+        ids, mask = padded_batch(lengths_for(b, seed), seed)
+        stats = assert_rows_exact(target, draft, ids, mask, CONFIGS[name])
+        assert stats.batch_size == b and len(stats.rows) == b
+        assert stats.new_tokens == sum(r["new_tokens"] for r in stats.rows) == b * NEW
+        if name != "auto":
+            assert stats.proposed_tokens > 0 and 0 < stats.accepted_tokens < stats.proposed_tokens
+
+
+def test_rows_ending_early_at_eos(pair):
+    """An EOS token common in the rows' continuations: rows stop at different rounds (one mid-round, within its
+    accepted candidates), leave the batch, and are padded as transformers pads them."""
+    target, close, _ = pair
+    ids, mask = padded_batch(lengths_for(8, 3), 3)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)[:, ids.shape[1]:]
+    counts = torch.bincount(plain.flatten(), minlength=96)
+    eos = int(counts.argmax())
+    for name in ("sd_g3", "sd_g6", "auto"):
+        stats = assert_rows_exact(target, close, ids, mask, CONFIGS[name], eos_token_id=eos)
+        ends = [r["new_tokens"] for r in stats.rows]
+        assert min(ends) < NEW and len(set(ends)) > 1, ends
+
+
+def test_compaction_keeps_rows_exact(pair, monkeypatch):
+    """Compacting the ragged caches (dropping masked columns) every round changes nothing a row computes."""
+    monkeypatch.setattr(ragged, "COMPACT_MIN", 0)
+    monkeypatch.setattr(ragged, "COMPACT_WASTE", 0.0)
+    calls = []
+    real = ragged.RaggedCache.maybe_compact
+
+    def counting(self):
+        before = self.columns
+        real(self)
+        calls.append(before - self.columns)
+
+    monkeypatch.setattr(ragged.RaggedCache, "maybe_compact", counting)
+    target, _, noisy = pair
+    ids, mask = padded_batch(lengths_for(8, 5), 5)
+    assert_rows_exact(target, noisy, ids, mask, CONFIGS["sd_g3"])
+    assert sum(calls) > 0, "nothing was compacted"
+
+
+@pytest.mark.parametrize(("family", "attn"), [("mistral+sw", "sdpa"), ("qwen2+sw", "sdpa"), ("gemma2", "eager"),
+                                             ("gemma3_text", "eager"), ("qwen3", "sdpa"), ("mistral+sw", "eager")])
+def test_families_batched(family, attn):
+    """Sliding windows (W = 8, far past it: each row's columns must stay contiguous), hybrid layers, eager
+    attention, other families; SD at gamma 3 with a noisy draft, so rows reject at different columns."""
+    target = hf_ssd.enable(build(family, attn=attn))
+    draft = noisy_copy(target, 0.01)
+    ids, mask = padded_batch([6, 3, 5], 7, vocab=90)
+    assert_rows_exact(target, draft, ids, mask, CONFIGS["sd_g3"], batched_reference=attn == "sdpa")
+
+
+def test_sampling_rows_match_target_distribution():
+    """Two prompts (different acceptance), each twice in a batch of 4: every row's samples follow the target's
+    exact distribution (false-fail rate < 1e-4 per prompt, as in tests/test_sampling.py)."""
+    target, draft = sampling_pair()
+    prompts = [[2, 3], [4, 1]]
+    joints = []
+    for p in prompts:
+        import test_sampling
+
+        saved = test_sampling.PROMPT
+        test_sampling.PROMPT = p
+        try:
+            joints.append(exact_joint(target))
+        finally:
+            test_sampling.PROMPT = saved
+    ids = torch.tensor([prompts[0], prompts[1], prompts[0], prompts[1]])
+    config = SSDConfig(gamma=2, schedule="fixed", **QUIET)
+    torch.manual_seed(4321)
+    samples: list[list[tuple]] = [[], []]
+    proposed = accepted = 0
+    for _ in range(N // 2):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=L, assistant_model=draft,
+                              ssd_config=config, **GEN)
+        for i in range(4):
+            samples[i % 2].append(tuple(out[i, 2:].tolist()))
+        stats = hf_ssd.last_stats(target)
+        proposed, accepted = proposed + stats.proposed_tokens, accepted + stats.accepted_tokens
+    assert 0 < accepted < proposed  # both paths: accepted candidates and rejections (residual draws)
+    for p, s, joint in zip(prompts, samples, joints):
+        assert_matches_target(s, joint, f"prompt {p}")
+
+
+def test_pipeline_with_batch_size_matches_plain_pipeline(pair):
+    from test_edges import tiny_tokenizer
+
+    target, close, _ = pair
+    tok = tiny_tokenizer()
+    tok.padding_side = "left"
+    pipe = tf.pipeline("text-generation", model=target, tokenizer=tok, assistant_model=close)
+    plain = tf.pipeline("text-generation", model=target, tokenizer=tok)
+    prompts = ["abc", "hello there", "x", "zzzz yy", "q r s t u"]
+    want = plain(prompts, batch_size=4, max_new_tokens=12, do_sample=False)
+    got = pipe(prompts, batch_size=4, max_new_tokens=12, do_sample=False, ssd_config=CONFIGS["sd_g3"])
+    assert got == want
+
+
+def test_batched_stats_say_what_ran(pair):
+    target, close, _ = pair
+    ids, mask = padded_batch([4, 6], 9)
+    out = target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=CONFIGS["sd_g3"], return_dict_in_generate=True)
+    stats = out.ssd_stats
+    assert stats is hf_ssd.last_stats(target) and stats.layout == "batch"
+    assert set(stats.options) == {"ar", "sd(g=3)"}  # the prefill round, then SD
+    assert stats.wall_time > 0 and stats.tokens_per_second > 0
+
+
+@pytest.mark.parametrize(("kw", "phrase"), [
+    ({"streamer": tf.generation.streamers.BaseStreamer()}, "A streamer takes one sequence"),
+    ({"output_scores": True, "return_dict_in_generate": True}, "return sequences only; remove output_scores"),
+    ({"num_return_sequences": 2}, "num_return_sequences=1"),
+])
+def test_batched_refusals(pair, kw, phrase):
+    target, close, _ = pair
+    ids, mask = padded_batch([4, 6], 9)
+    with pytest.raises(SSDUsageError, match=phrase):
+        target.generate(ids, attention_mask=mask, assistant_model=close, max_new_tokens=4, ssd_config=SSDConfig(),
+                        **kw)
