@@ -49,9 +49,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads for the run (default: torch's own; 1 with --tiny, where more "
                         "threads only add synchronisation). SSD's CPU speculator uses --cpu-threads per side")
     g.add_argument("--no-profile", action="store_true",
-                   help="ignore the saved tuning profile of this pair (written by `hf-ssd tune`; also "
-                        "HF_SSD_NO_PROFILE=1, which also stops tune writing one): the scheduler starts from its "
-                        "priors and explores")
+                   help="ignore the saved tuning profile of this pair (written by `hf-ssd tune`): the scheduler "
+                        "starts from its priors and explores; tune measures from scratch and still writes its "
+                        "profile. HF_SSD_NO_PROFILE=1 ignores profiles too, and stops tune writing one")
 
 
 def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
@@ -123,8 +123,8 @@ BENCH_FULL = {"num_prompts": 10, "max_new_tokens": 128, "modes": ["greedy", "sam
 # SSD budgets, SSDConfig()) plus a short warm-up: 576 tokens with the defaults, at the 2-4 tok/s the default pair
 # decodes on 2 CPU cores (docs/performance.md), plus 18 prompt prefills and the model load.
 TUNE_TIME = ("With the defaults (2 prompts x 32 tokens, 8 options: 9 runs of 64 tokens and a warm-up) it takes about "
-             "3-6 minutes on a 2-core CPU with the default pair (estimated from its measured speeds), a few seconds "
-             "with --tiny; the time grows with --num-prompts x --max-new-tokens x (options + 1), the options being "
+             "3-6 minutes on a 2-core CPU with the default pair (estimated from its measured speeds), about 10 "
+             "seconds with --tiny; the time grows with --num-prompts x --max-new-tokens x (options + 1), the options being "
              "AR, each of --gammas and each of --budgets.")
 
 
