@@ -120,9 +120,11 @@ BENCH_FULL = {"num_prompts": 10, "max_new_tokens": 128, "modes": ["greedy", "sam
 
 
 # `hf-ssd tune`'s duration, for its --help: 9 measured runs of --num-prompts x --max-new-tokens (AR, 3 SD gammas, 4
-# SSD budgets, SSDConfig()) plus a short warm-up: 576 tokens with the defaults, at the 2-4 tok/s the default pair
-# decodes on 2 CPU cores (docs/performance.md), plus 18 prompt prefills and the model load.
-TUNE_TIME = ("With the defaults (2 prompts x 32 tokens, 8 options: 9 runs of 64 tokens and a warm-up) it takes about "
+# SSD budgets, SSDConfig()), a short warm-up and one exploration call of --max-new-tokens: ~610 tokens with the
+# defaults, at the 2-4 tok/s the default pair decodes on 2 CPU cores (docs/performance.md), plus 19 prompt
+# prefills and the model load.
+TUNE_TIME = ("With the defaults (2 prompts x 32 tokens, 8 options: 9 runs of 64 tokens, a warm-up and one 32-token "
+             "call that tries each other option family once) it takes about "
              "3-6 minutes on a 2-core CPU with the default pair (estimated from its measured speeds), about 10 "
              "seconds with --tiny; the time grows with --num-prompts x --max-new-tokens x (options + 1), the options being "
              "AR, each of --gammas and each of --budgets.")
