@@ -29,6 +29,7 @@ _LAZY_MODULES = {
     "tiny": "hf_ssd.models.tiny",
     "models": "hf_ssd.models",
     "bench": "hf_ssd.bench",
+    "profile": "hf_ssd.profile",  # engine, not tooling: the tuning profile (`hf_ssd.profile.ignored()`, `save`)
 }
 
 

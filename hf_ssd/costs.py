@@ -8,6 +8,7 @@ whose load changes. Nothing here affects what is proposed; it only informs the c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import threading
@@ -20,6 +21,20 @@ CONFIDENCE_BINS = 20
 CONFIDENCE_DECAY = 0.97
 NEW_CALL_KEEP = 0.5  # weight of earlier calls' acceptance statistics when a new call starts
 MISS_PRIOR = 2.0  # predicted misses a budget's own miss ratio needs to outweigh the pooled one
+STATE_FORMAT = 1  # of `CostModel.state_dict()`; a saved state of another format is not loaded
+
+
+def _num(value) -> float:
+    """A saved estimate as a finite float (anything else: ValueError, so that a damaged state is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"not a finite number: {value!r}")
+    return float(value)
+
+
+def _nums(values, length: int | None = None) -> list[float]:
+    if not isinstance(values, list) or (length is not None and len(values) != length):
+        raise ValueError(f"expected a list of {length} numbers, got {values!r:.80}")
+    return [_num(v) for v in values]
 
 
 class Ewma:
@@ -40,6 +55,13 @@ class Ewma:
     def value(self) -> float | None:
         return self.total / self.weight if self.weight > 0 else None
 
+    def state_dict(self) -> dict:
+        return {"weight": self.weight, "total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        weight, total, count = _num(state["weight"]), _num(state["total"]), int(state["count"])
+        self.weight, self.total, self.count = weight, total, count
+
 
 class LinearFit:
     """Weighted least squares y = a + b x with forgetting, b >= 0.
@@ -59,6 +81,15 @@ class LinearFit:
         self.w, self.wx, self.wxx = d * self.w + 1.0, d * self.wx + x, d * self.wxx + x * x
         self.wy, self.wxy = d * self.wy + y, d * self.wxy + x * y
         self.count += 1
+
+    def state_dict(self) -> dict:
+        return {"w": self.w, "wx": self.wx, "wxx": self.wxx, "wy": self.wy, "wxy": self.wxy, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        sums = [_num(state[k]) for k in ("w", "wx", "wxx", "wy", "wxy")]
+        count = int(state["count"])
+        self.w, self.wx, self.wxx, self.wy, self.wxy = sums
+        self.count = count
 
     def predict(self, x: float) -> float | None:
         if self.w <= 0:
@@ -99,6 +130,18 @@ class PointFit:
         self.line.update(x, y)
         if x == int(x):
             self.points.setdefault(int(x), Ewma(decay=self.point_decay)).update(y)
+
+    def state_dict(self) -> dict:
+        return {"line": self.line.state_dict(), "points": {str(x): e.state_dict() for x, e in self.points.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        line = LinearFit(self.line.prior_slope, self.line.decay)
+        line.load_state_dict(state["line"])
+        points = {}
+        for x, e in state["points"].items():
+            points[int(x)] = Ewma(decay=self.point_decay)
+            points[int(x)].load_state_dict(e)
+        self.line, self.points = line, points
 
     def _at(self, x: int) -> float | None:
         point = self.points.get(x)
@@ -462,6 +505,86 @@ class CostModel:
             "rounds_seen": self.rounds_seen,
         }
 
+    # ----- saving and loading (hf_ssd/profile.py keeps them across processes) --------------------------------
+    profile: str | None = None  # the tuning profile these estimates were loaded from (hf_ssd.profile), if any
+
+    def state_dict(self) -> dict:
+        """Every measured estimate the scheduler reads, as plain JSON-able data (the caller holds `lock`).
+
+        Priors and decay rates are not part of it: they come from the code. `load_state_dict` of the result on
+        a new model of the same `top_k` and device kind makes it predict, and decide, exactly as this one."""
+        def table(d: dict) -> dict:
+            return {str(k): v.state_dict() for k, v in d.items()}
+
+        return {
+            "format": STATE_FORMAT, "on_gpu": self.on_gpu, "top_k": self.top_k,
+            "verify_alone": self.verify_alone.state_dict(), "verify_overlapped": table(self.verify_overlapped),
+            "draft": self.draft.state_dict(), "verify_alone_with": table(self.verify_alone_with),
+            "draft_with": table(self.draft_with), "tree_step": self.tree_step.state_dict(),
+            "record": self.record.state_dict(), "overhead": table(self.overhead),
+            "ranks": list(self.ranks),
+            "misses": {str(b): v for b, v in self.misses.items()},
+            "expected_misses": {str(b): v for b, v in self.expected_misses.items()},
+            "accepted": self.accepted, "tried": self.tried,
+            "positions": list(self.positions), "positions_accepted": list(self.positions_accepted),
+            "confidence_seen": list(self.confidence_seen), "confidence_accepted": list(self.confidence_accepted),
+            "rounds_seen": self.rounds_seen,
+            # Options are frozen dataclasses (schedule.Option): saved by their fields.
+            "outcomes": [[dataclasses.asdict(o), list(v)] for o, v in self.outcomes.items()
+                         if dataclasses.is_dataclass(o)],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the estimates by a saved `state_dict()`. A state of another format, `top_k` or device kind,
+        or a damaged one, raises ValueError and leaves this model as it was."""
+        from .schedule import Option  # schedule imports this module
+
+        try:
+            if state.get("format") != STATE_FORMAT:
+                raise ValueError(f"state format {state.get('format')!r}, expected {STATE_FORMAT}")
+            if state["top_k"] != self.top_k or bool(state["on_gpu"]) != self.on_gpu:
+                raise ValueError(f"state of top_k {state['top_k']} on_gpu {state['on_gpu']}, this model has "
+                                 f"top_k {self.top_k} on_gpu {self.on_gpu}")
+
+            def fit(value, make):
+                f = make()
+                f.load_state_dict(value)
+                return f
+
+            def table(d: dict, make) -> dict:
+                return {int(k): fit(v, make) for k, v in d.items()}
+
+            def point():
+                return PointFit(_relative(0.02))
+
+            new = {
+                "verify_alone": fit(state["verify_alone"], lambda: PointFit(_relative(0.02))),
+                "verify_overlapped": table(state["verify_overlapped"], point),
+                "draft": fit(state["draft"], lambda: LinearFit(_proportional)),
+                "verify_alone_with": table(state["verify_alone_with"], point),
+                "draft_with": table(state["draft_with"], lambda: LinearFit(_proportional)),
+                "tree_step": fit(state["tree_step"], lambda: PointFit(_relative(0.02 if self.on_gpu else 0.25))),
+                "record": fit(state["record"], Ewma),
+                "overhead": table(state["overhead"], lambda: Ewma(decay=0.85)),
+                "ranks": _nums(state["ranks"], self.top_k + 1),
+                "misses": {int(b): _num(v) for b, v in state["misses"].items()},
+                "expected_misses": {int(b): _num(v) for b, v in state["expected_misses"].items()},
+                "accepted": _num(state["accepted"]), "tried": _num(state["tried"]),
+                "positions": _nums(state["positions"], MAX_POSITION + 1),
+                "positions_accepted": _nums(state["positions_accepted"], MAX_POSITION + 1),
+                "confidence_seen": _nums(state["confidence_seen"], CONFIDENCE_BINS),
+                "confidence_accepted": _nums(state["confidence_accepted"], CONFIDENCE_BINS),
+                "rounds_seen": int(state["rounds_seen"]),
+                "outcomes": {Option(**o): _nums(v, 5) for o, v in state["outcomes"]},
+            }
+            if new["tried"] <= 0 or new["rounds_seen"] < 0:
+                raise ValueError("no acceptance counts")
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"damaged cost model state: {type(err).__name__}: {err}") from err
+        for name, value in new.items():
+            setattr(self, name, value)
+        self._memo = None
+
 
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {key: CostModel}
 _models_lock = threading.Lock()
@@ -475,6 +598,9 @@ def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: i
     (acceptance differs between greedy and sampling) and `draft_matmul` (it changes the draft's step times).
     The draft is held by id only, so a new draft that reuses a freed one's id inherits its estimates; that
     costs at most some exploration, never exactness.
+
+    A model created here for the first time in a process starts from the pair's saved tuning profile where one
+    matches (`hf_ssd.profile`: written by `hf-ssd tune`; HF_SSD_NO_PROFILE=1 ignores it).
     """
     key = (id(draft), str(device), layout, bool(do_sample), top_k, draft_matmul)
     with _models_lock:
@@ -483,7 +609,16 @@ def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: i
         if model is None:
             model = per_target[key] = CostModel(getattr(device, "type", str(device)) == "cuda", top_k,
                                                 initial_acceptance)
+            from . import profile  # it reads the models' weights and files: only on a model's first use
+
+            profile.attach(model, target, draft, layout, bool(do_sample), top_k, draft_matmul)
         return model
+
+
+def estimates_of(target, draft) -> list[tuple[tuple, CostModel]]:
+    """The (key, CostModel) pairs kept for this target and draft (see `cost_model_for` for the key)."""
+    with _models_lock:
+        return [(k, m) for k, m in _models.get(target, {}).items() if k[0] == id(draft)]
 
 
 def reset_estimates(target=None) -> None:

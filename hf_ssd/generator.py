@@ -117,6 +117,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline",
                                    deferred_record=self.depth == 1 and getattr(self.drafter, "defers_record", False))
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
+        self.stats.profile = getattr(self.costs, "profile", None)  # the tuning profile the estimates started from (hf_ssd/profile.py)
         self.round = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (context, candidates) being verified
         self._outcome: tuple[int, int] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 
@@ -35,6 +36,8 @@ class SSDStats:
     "ar") to {"rounds", "seconds"}; `explored_rounds` counts rounds run to measure an option rather than because
     it was predicted best; `predicted_tokens_per_second` is what the cost model predicted for the rounds it
     decided (compare `tokens_per_second`); `cost_model` is the measured model at the end of the call.
+    `profile`: the tuning profile (hf_ssd/profile.py) the pair's estimates were loaded from in this process, or
+    None when they were measured here from the priors.
     """
 
     rounds: int = 0
@@ -79,6 +82,7 @@ class SSDStats:
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
     cost_model: dict = field(default_factory=dict)
+    profile: str | None = None
     timeline: list = field(default_factory=list, repr=False)
     intervals: dict = field(default_factory=dict, repr=False)  # busy (start, end) lists: verify/speculate/fallback
 
@@ -183,5 +187,10 @@ class SSDStats:
             f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
             f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted {self.predicted_hit_rate:.1%})"
             f"{self._depth_summary()} | bubble ratio {self.bubble_ratio:.1%} | "
-            f"{self.schedule_summary()}"
+            f"{self.schedule_summary()}{self._profile_summary()}"
         )
+
+    def _profile_summary(self) -> str:
+        if not self.profile:
+            return ""
+        return f" | profile loaded ({os.path.basename(self.profile)})"

@@ -2,21 +2,27 @@
 
 Each option (AR, plain SD at several gamma, overlapped SSD at several fan-out budgets) runs alone over the same
 prompts (the scheduler is restricted to it), which both measures its real speed and feeds the pair's cost
-model; then the model's prediction for every option is printed next to the measurement, the default
+model; one call on the first prompt then tries every other option family once (as a new pair's first call does);
+then the model's prediction for every option is printed next to the measurement, the default
 `SSDConfig()` (schedule="auto") is measured last, already informed, and the recommendation is the option
 measured fastest.
 
 Predicted tok/s are per decoding round (verify + draft work), measured tok/s are whole `generate` calls (they
 also pay the prompt prefill), so predictions read somewhat higher.
+
+At the end the pair's cost model is saved as its tuning profile (`hf_ssd.profile.save`), which new processes
+load instead of exploring; the measurement starts from the previous profile unless `use_profile=False`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
 import torch
 
+from .. import profile
 from ..config import SSDConfig
 from ..costs import cost_model_for, reset_estimates
 from ..integration import enable, last_stats
@@ -60,8 +66,31 @@ def recommended_config(option: Option) -> dict:
 
 
 def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, gammas=(2, 4, 6),
-             budgets=(1, 2, 4, 8), do_sample: bool = False, progress: bool = True) -> dict:
-    """Measure and predict every option on `prompts` (token id lists); returns the report as a dict."""
+             budgets=(1, 2, 4, 8), do_sample: bool = False, progress: bool = True, use_profile: bool = True,
+             save_profile: bool = True) -> dict:
+    """Measure and predict every option on `prompts` (token id lists); returns the report as a dict.
+
+    `use_profile=False`: the measurement starts from the priors, not from the pair's saved tuning profile;
+    `save_profile`: write the measured costs as the pair's profile at the end (`hf_ssd.profile`)."""
+    with contextlib.nullcontext() if use_profile else profile.ignored():
+        report = _run_tune(target, draft, prompts, max_new_tokens, gammas, budgets, do_sample, progress)
+    report["profile"] = {"loaded": report.pop("_loaded"), "written": None, "error": None}
+    if not save_profile:
+        report["profile"]["error"] = "not asked to save it"
+    elif not profile.enabled():
+        report["profile"]["error"] = f"{profile.NO_PROFILE_ENV} is set"
+    else:
+        try:
+            paths = profile.save(target, draft, source="hf-ssd tune")
+            report["profile"]["written"] = str(paths[0]) if paths else None
+            if not paths:
+                report["profile"]["error"] = "nothing measured"
+        except OSError as err:
+            report["profile"]["error"] = f"{type(err).__name__}: {err}"
+    return report
+
+
+def _run_tune(target, draft, prompts, max_new_tokens, gammas, budgets, do_sample, progress) -> dict:
     from tqdm.auto import tqdm
 
     enable(target)
@@ -74,7 +103,7 @@ def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, 
                          f"from {list(allowed_budgets)}; got gammas {list(gammas)}, budgets {list(budgets)}.")
     options = [Option("ar")] + [Option("sd", g) for g in gammas]
     options += [Option("ssd", 4 if 4 in gammas else gammas[0], b) for b in budgets]
-    steps = len(options) + 2
+    steps = len(options) + 3
     bar = tqdm(total=steps, desc="hf-ssd tune", disable=not progress)
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that would skew the first option.
     _measure(target, draft, prompts[:1], min(8, max_new_tokens), do_sample, base)
@@ -94,6 +123,17 @@ def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, 
     stats = last_stats(target)
     top_k = max(o.budget for o in allowed_options(base, stats.layout, 1, wide=not static)) + 1  # as the generator keys it
     costs = cost_model_for(target, draft, draft.device, stats.layout, do_sample, top_k, base.initial_acceptance)
+    # The scheduler's other families (confidence-stopped SD, SSD at 16, the one-thread AR and SD of a CPU with more
+    # threads) are not measured above. One call that runs a new pair's first-call exploration (the default twice,
+    # then each other family once: `Scheduler`, on a model with no rounds seen) measures them as a process's first
+    # call would, so that the profile saved at the end leaves a new process nothing to explore.
+    bar.set_postfix_str("each family once")
+    seen, costs.rounds_seen = costs.rounds_seen, 0
+    try:
+        _measure(target, draft, prompts[:1], max_new_tokens, do_sample, base)
+    finally:
+        costs.rounds_seen += seen
+    bar.update(1)
     scheduler = Scheduler(base, costs, options, options[0], inline=stats.layout == "inline",
                           deferred_record=stats.draft_path == "dynamic")  # as the generator's (depth 1)
     for row, option in zip(rows, options):
@@ -112,8 +152,22 @@ def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, 
         "auto": {"measured_tok_s": auto_rate, "schedule": auto_stats.schedule_summary()},
         "greedy_identical": None if do_sample else identical,
         "recommended": {"option": best[1].name, "measured_tok_s": best[0]["measured_tok_s"],
-                        "ssd_config": recommended_config(best[1])},
+                        "ssd_config": recommended_config(best[1]), "advice": recommendation_words(best[1])},
+        "_loaded": costs.profile,
     }
+
+
+def recommendation_words(option: Option) -> str:
+    """The recommendation in words (an empty `SSDConfig(**{})` says nothing about running the target alone)."""
+    if option.kind == "ar":
+        return ("run the target alone (no SSD): the draft does not pay on this machine; call model.generate without "
+                "assistant_model and ssd_config (the default SSDConfig() also runs the target alone here once it "
+                "has measured the pair)")
+    config = recommended_config(option)
+    if not config:
+        return "use the default SSDConfig(): its scheduler picks this option automatically"
+    args = ", ".join(f"{k}={v}" for k, v in config.items())
+    return f"SSDConfig({args})   (the default SSDConfig() schedules it automatically)"
 
 
 def render(report: dict) -> str:
@@ -138,9 +192,20 @@ def render(report: dict) -> str:
         lines.append("greedy outputs identical to the target alone: " + ("yes" if report["greedy_identical"] else
                                                                          "NO (please report a bug)"))
     rec = report["recommended"]
-    lines += [
-        f"recommended: {rec['option']} ({rec['measured_tok_s']:.2f} tok/s measured): "
-        f"SSDConfig(**{rec['ssd_config']})   (the default SSDConfig() schedules it automatically)",
-        "json: " + json.dumps(rec),
-    ]
+    if rec["option"] == "ar":  # in words: SSDConfig(**{}) would read as "use SSD with the defaults"
+        line = (f"recommended: run the target alone (no SSD): ar measured fastest ({rec['measured_tok_s']:.2f} tok/s); "
+                "call model.generate without assistant_model and ssd_config (the default SSDConfig() also falls back "
+                "to the target alone here once it has measured the pair)")
+    else:
+        line = f"recommended: {rec['option']} ({rec['measured_tok_s']:.2f} tok/s measured): {rec['advice']}"
+    lines += [line, "json: " + json.dumps(rec)]
+    prof = report.get("profile")
+    if prof is not None:
+        if prof.get("loaded"):
+            lines.append(f"started from the previous tuning profile {prof['loaded']} (--no-profile: from the priors)")
+        if prof.get("written"):
+            lines.append(f"tuning profile written to {prof['written']}: new processes on this pair, this device, "
+                         f"dtype and thread count start from it (--no-profile or {profile.NO_PROFILE_ENV}=1 ignores it)")
+        else:
+            lines.append(f"tuning profile not written ({prof.get('error')})")
     return "\n".join(lines)

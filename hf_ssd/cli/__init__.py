@@ -48,6 +48,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the run (default: torch's own; 1 with --tiny, where more "
                         "threads only add synchronisation). SSD's CPU speculator uses --cpu-threads per side")
+    g.add_argument("--no-profile", action="store_true",
+                   help="ignore the saved tuning profile of this pair (written by `hf-ssd tune`): the scheduler "
+                        "starts from its priors and explores; tune measures from scratch and still writes its "
+                        "profile. HF_SSD_NO_PROFILE=1 ignores profiles too, and stops tune writing one")
 
 
 def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
@@ -119,6 +123,17 @@ BENCH_QUICK = {"num_prompts": 2, "max_new_tokens": 64, "modes": ["greedy"], "gam
 BENCH_FULL = {"num_prompts": 10, "max_new_tokens": 128, "modes": ["greedy", "sample"], "gammas": [2, 4, 6]}
 
 
+# `hf-ssd tune`'s duration, for its --help: 9 measured runs of --num-prompts x --max-new-tokens (AR, 3 SD gammas, 4
+# SSD budgets, SSDConfig()), a short warm-up and one exploration call of --max-new-tokens: ~610 tokens with the
+# defaults, at the 2-4 tok/s the default pair decodes on 2 CPU cores (docs/performance.md), plus 19 prompt
+# prefills and the model load.
+TUNE_TIME = ("With the defaults (2 prompts x 32 tokens, 8 options: 9 runs of 64 tokens, a warm-up and one 32-token "
+             "call that tries each other option family once) it takes about "
+             "3-6 minutes on a 2-core CPU with the default pair (estimated from its measured speeds), about 10 "
+             "seconds with --tiny; the time grows with --num-prompts x --max-new-tokens x (options + 1), the options being "
+             "AR, each of --gammas and each of --budgets.")
+
+
 def _ints(values) -> str:
     return ",".join(map(str, values))
 
@@ -186,9 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_ssd_args(bench, with_gamma=False)
 
-    tune = sub.add_parser("tune", help="measure this pair's costs here; print predicted and measured speed of AR, "
-                                       "SD and SSD options and the recommended SSDConfig",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tune = sub.add_parser(
+        "tune", help="measure this pair's costs here; print predicted and measured speed of AR, SD and SSD options "
+                     "and the recommended SSDConfig; save them as the pair's tuning profile",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Measure this pair's costs on this machine: AR, plain SD at each --gammas and SSD at each "
+                    "--budgets run alone over the same prompts, then the default SSDConfig(); prints the cost model, "
+                    "predicted and measured tok/s and the recommendation. "
+                    f"{TUNE_TIME} "
+                    "At the end the measured costs are saved as the pair's tuning profile "
+                    "(<cache>/profiles/<key>.json, cache ~/.cache/hf_ssd or $HF_SSD_CACHE; $HF_SSD_PROFILES names "
+                    "the directory instead), keyed on target, draft, device, dtype, torch threads and machine: "
+                    "later processes on this pair (hf-ssd generate/bench, your own generate calls, every worker of "
+                    "a data-parallel run) start from it instead of exploring. --no-profile on a command, or "
+                    "HF_SSD_NO_PROFILE=1, ignores it; other models, versions or machines never use it.")
     tune.add_argument("--dataset", default="humaneval", help="prompts: humaneval, gsm, or a .jsonl/.csv file")
     tune.add_argument("--num-prompts", type=int, default=2, help="prompts per option")
     tune.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt")
@@ -350,7 +376,7 @@ def cmd_tune(args) -> int:
     prompts = [encode_prompt(r["prompt"], r["kind"], tokenizer)[-(128 if args.tiny else 4096):] for r in ds]
     try:
         report = run_tune(target, draft, prompts, args.max_new_tokens, tuple(args.gammas), tuple(args.budgets),
-                          args.do_sample, progress=not args.no_progress)
+                          args.do_sample, progress=not args.no_progress, use_profile=not args.no_profile)
     except ValueError as err:
         raise SystemExit(f"hf-ssd: {err}") from err
     print(render(report))
@@ -369,8 +395,17 @@ def main(argv: list[str] | None = None) -> int:
 
         transformers.logging.set_verbosity_error()
     command = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune}[args.command]
-    with _torch_threads(args.threads or (1 if args.tiny else None)):
+    with _torch_threads(args.threads or (1 if args.tiny else None)), _profile_switch(args):
         return command(args)
+
+
+def _profile_switch(args):
+    """`--no-profile`: no tuning profile is read during the command (`hf-ssd tune` still writes its new one)."""
+    import contextlib
+
+    from .. import profile
+
+    return profile.ignored() if getattr(args, "no_profile", False) else contextlib.nullcontext()
 
 
 def _torch_threads(n: int | None):
