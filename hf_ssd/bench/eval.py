@@ -218,6 +218,7 @@ def run_example(target, draft, tokenizer, prompt, index: int, example_id, genera
         "prompt_tokens": len(ids), "new_tokens": len(new), "seconds": seconds,
         "tokens_per_second": len(new) / seconds if seconds > 0 else 0.0,
         "stopped": "eos" if new and new[-1] in eos else "length", "method": method,
+        "torch_threads": torch.get_num_threads(),
     }
     if method == "ssd":
         record.update(_ssd_numbers(last_stats(target)))
@@ -264,14 +265,15 @@ def evaluate_dataset(
 ) -> dict | None:
     """Generate every example of `data` not yet in `out_dir`, then write the summary and plots.
 
-    `state`: an `accelerate.PartialState` (default: a new one; a single process outside `accelerate launch`).
+    `state`: an `accelerate.PartialState` (default: this process's, made for the target's device type; a single
+    process outside `accelerate launch` / `torchrun`).
     Returns the summary in the main process, None in the others. `models`: how the pair is named in
     settings.json (default: the models' `name_or_path` and dtype)."""
     from accelerate import PartialState
 
     if method not in METHODS:
         raise EvalError(f"method must be one of {METHODS}, got {method!r}")
-    state = state or PartialState()
+    state = state or PartialState(cpu=target.device.type == "cpu")  # CPU processes join over gloo
     if not isinstance(data, EvalData):
         data = load_data(data, field, split, limit)
     check_prompts(data, chat)
@@ -297,6 +299,8 @@ def _run(target, draft, tokenizer, data: EvalData, out_dir: Path, settings: dict
     if n_proc > 1:
         state.wait_for_everyone()  # the main process holds the directory's lock before anyone reads or writes
     store.check_settings(out_dir, settings, write=main)
+    if main:
+        store.remove_leftovers(out_dir)
     if n_proc > 1:
         state.wait_for_everyone()  # settings.json exists before any process appends a result
     done = store.read_all(out_dir)
@@ -487,7 +491,7 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict) -> list[str]:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("example (row index)")
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"Tokens per second per example (n = {n} examples; {setting})", fontsize=9)
+    ax.set_title(f"Tokens per second per example\n(n = {n} examples; {setting})", fontsize=9)
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "tokens_per_second.png"))
 
@@ -495,7 +499,7 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict) -> list[str]:
               if r.get("hit_rate") is not None and r.get("acceptance_rate") is not None]
     fig, ax = plt.subplots(figsize=(5.0, 4.6))
     if points:
-        ax.scatter([p[0] for p in points], [p[1] for p in points], s=18, alpha=0.7)
+        ax.scatter([p[0] for p in points], [p[1] for p in points], s=18, alpha=0.7, clip_on=False)
     else:
         ax.text(0.5, 0.5, "no example had SSD cache lookups\n(the scheduler ran SD/AR rounds, or method ≠ ssd)",
                 ha="center", va="center", fontsize=8, transform=ax.transAxes)
@@ -512,7 +516,7 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict) -> list[str]:
 def _save(fig, path: Path) -> str:
     import matplotlib.pyplot as plt
 
-    tmp = path.with_name(f".{path.stem}.tmp.png")
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(path)

@@ -65,7 +65,7 @@ def load_evaluate_metric(spec: str):
         return evaluate.load(target)
     except Exception as err:  # evaluate raises many kinds (FileNotFoundError, ConnectionError, ...)
         where = "the local module" if path.exists() else "offline (it is not cached and the Hub is out of reach?)"
-        raise ScoringError(f"--metric {spec!r}: evaluate could not load {where}: {err}. Pass the path of a local "
+        raise ScoringError(f"--metric {spec!r}: evaluate could not load {where}: {str(err).rstrip('.')}. Pass the path of a local "
                            "metric script or directory (e.g. hf_ssd/bench/metrics/ssd_match.py), or gsm or "
                            "humaneval") from err
 

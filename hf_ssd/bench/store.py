@@ -66,7 +66,7 @@ def _fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` by `data` so that a reader (or a crash) sees either the old file or the new one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # see remove_leftovers
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -255,6 +255,12 @@ class Appender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def remove_leftovers(out_dir: Path) -> None:
+    """Delete the temporary files of writes a kill interrupted (never read: the real files are intact)."""
+    for tmp in Path(out_dir).glob(".*.tmp*"):
+        tmp.unlink(missing_ok=True)
 
 
 def merge_parts(out_dir: Path) -> int:

@@ -366,7 +366,8 @@ def _add_eval_parser(sub) -> None:
         description="Generate a completion for every row of a dataset file and write DIR/results.jsonl (one line "
                     "per example, appended as each finishes), summary.json, summary.md and plots. Rerunning the "
                     "same command resumes; other settings on the same --out are refused. Data parallel: "
-                    "accelerate launch --num_processes N -m hf_ssd.cli eval ... (see docs/scaling.md).")
+                    "accelerate launch --multi_gpu --num_processes N -m hf_ssd.cli eval ... (one process per GPU; "
+                    "add --device cpu for CPU processes; see docs/scaling.md).")
     ev.add_argument("--data", required=True, help="a .jsonl, .json, .csv or .parquet file or a datasets.save_to_disk "
                                                   "directory")
     ev.add_argument("--field", default="prompt", help="the prompt column")
