@@ -367,8 +367,17 @@ def test_accelerate_launch_cpu_single_process_is_refused_with_the_working_comman
         main(eval_args(data, tmp_path / "o"))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _launch(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*ACCELERATE, "-m", "hf_ssd.cli", *argv], env=env(), cwd=cwd, capture_output=True,
+    port = ["--main_process_port", str(_free_port())]  # other runs on this machine may hold the default 29500
+    return subprocess.run([*ACCELERATE, *port, "-m", "hf_ssd.cli", *argv], env=env(), cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 
