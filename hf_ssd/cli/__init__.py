@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_args(tune)
+    _add_eval_parser(sub)
     return parser
 
 
@@ -388,13 +389,144 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def _add_eval_parser(sub) -> None:
+    ev = sub.add_parser(
+        "eval", help="generate with SSD over a dataset file: results.jsonl per example, a summary and plots; "
+                     "resumable; data-parallel under accelerate launch", formatter_class=HELP_FORMAT,
+        description="Generate a completion for every row of a dataset file and write DIR/results.jsonl (one line "
+                    "per example, appended as each finishes), summary.json, summary.md and plots. Rerunning the "
+                    "same command resumes; other settings on the same --out are refused. Data parallel: "
+                    "accelerate launch --multi_gpu --num_processes N -m hf_ssd.cli eval ... (one process per GPU; "
+                    "add --device cpu for CPU processes; see docs/scaling.md).")
+    ev.add_argument("--data", required=True, help="a .jsonl, .json, .csv or .parquet file or a datasets.save_to_disk "
+                                                  "directory")
+    ev.add_argument("--field", default="prompt", help="the prompt column")
+    ev.add_argument("--split", default=None, help="split of a save_to_disk DatasetDict (default: its only split)")
+    ev.add_argument("--chat", action="store_true",
+                    help="apply the tokenizer's chat template (a text becomes one user message; a column of "
+                         "{role, content} lists is used as is)")
+    ev.add_argument("--limit", type=int, default=None, help="only the first N rows (default: all)")
+    ev.add_argument("--out", default="eval_out", help="output directory (rerun with the same one to resume)")
+    ev.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (only 1 for now)")
+    ev.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per example")
+    ev.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    ev.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
+    ev.add_argument("--top-k", type=int, default=None, help="top-k sampling (with --do-sample; default: the "
+                                                            "model's generation config)")
+    ev.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --do-sample; default: the "
+                                                              "model's generation config)")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed: example i is generated with seed + i")
+    ev.add_argument("--method", choices=("ssd", "sd", "ar"), default="ssd",
+                    help="ssd, sd (transformers assisted generation) or ar (target alone), to compare")
+    ev.add_argument("--metric", default=None,
+                    help="score the completions: gsm (final-number exact match), humaneval (runs the code; needs "
+                         "--allow-code-execution), a local evaluate metric path, or a name evaluate loads offline")
+    ev.add_argument("--reference-field", default=None,
+                    help="the references' column for --metric (default: the first of answer, reference, target)")
+    ev.add_argument("--allow-code-execution", action="store_true",
+                    help="allow --metric humaneval to run model-written code in a subprocess")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_args(ev)
+    _add_ssd_args(ev)
+
+
+def _eval_models(args) -> dict:
+    """How the pair is named in the run's settings.json (known before loading it)."""
+    if args.tiny:
+        return {"pair": "tiny (hf_ssd.models.tiny.tiny_pair, float64)"}
+    _, dtype = _device_and_dtype(args)
+    return {"target": args.target or "default", "draft": args.draft or "default",
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+def _eval_state(args):
+    """The accelerate process state: this process's rank among `accelerate launch`'s processes (one without it).
+
+    CPU processes need `cpu=True` (accelerate then joins them with gloo): on machines without CUDA, or with
+    --device cpu, or under `accelerate launch --cpu`."""
+    import os
+
+    import torch
+    from accelerate import PartialState
+
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    launched = any(os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+    if use_cpu and os.environ.get("MASTER_ADDR") and not launched:
+        # accelerate's simple launcher set up a rendezvous for several processes but started only this one:
+        # `accelerate launch --cpu` runs several CPU processes only through MPI (--mpirun_hostfile).
+        raise SystemExit(
+            "hf-ssd: accelerate launch --cpu started a single process: with --cpu, accelerate runs several "
+            "processes only through MPI (--mpirun_hostfile). For N CPU processes on one machine run "
+            "`accelerate launch --multi_gpu --num_processes N -m hf_ssd.cli eval --device cpu ...` (torchrun "
+            "underneath; hf-ssd joins the processes over gloo), or drop --num_processes for one process.")
+    cpu = use_cpu or args.device == "cpu" or not torch.cuda.is_available()
+    return PartialState(cpu=cpu)
+
+
+def cmd_eval(args) -> int:
+    import contextlib
+    import os
+    from pathlib import Path
+
+    from ..bench import eval as ev
+    from ..bench import store
+    from ..bench.runner import torch_threads
+    from ..bench.scoring import ScoringError, check_metric
+
+    if args.batch_size != 1:
+        raise SystemExit(f"hf-ssd: --batch-size {args.batch_size}: batched SSD is not available yet (SSD, like "
+                         "transformers' assisted generation, generates one sequence per call). Use --batch-size 1; "
+                         "for throughput run data-parallel processes: accelerate launch --num_processes N -m "
+                         "hf_ssd.cli eval ...")
+    options = ssd_options(args) if args.method == "ssd" else {}
+    try:
+        SSDConfig(**options)
+        data = ev.load_data(args.data, args.field, args.split, args.limit)
+        ev.check_prompts(data, args.chat)
+        if args.metric is not None:
+            check_metric(args.metric, data.columns, args.reference_field, args.allow_code_execution)
+        generation = ev.generation_options(args.max_new_tokens, args.do_sample, args.temperature, args.top_k,
+                                           args.top_p, args.seed)
+    except (SSDConfigError, ev.EvalError, ScoringError) as err:
+        raise SystemExit(f"hf-ssd: {err}") from err
+    state = _eval_state(args)
+    models = _eval_models(args)
+    settings = ev.eval_settings(data, models, generation, args.method, options, args.chat)
+    lock = store.exclusive(Path(args.out)) if state.is_main_process else contextlib.nullcontext()
+    try:
+        with lock:
+            store.check_settings(Path(args.out), settings, write=state.is_main_process)  # before loading models
+            if args.device == "auto" and state.num_processes > 1:
+                args.device = str(state.device)  # GPU i for process i (or the CPU)
+            threads = args.threads
+            if threads is None and not args.tiny and state.num_processes > 1 and state.device.type == "cpu":
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                threads = max(1, cores // state.num_processes)  # the cores divided between the processes
+            with torch_threads(threads):
+                with state.main_process_first():  # the main process fills the model cache first
+                    target, draft, tokenizer = load_models(args)
+                summary = ev.evaluate_dataset(
+                    target, draft, tokenizer, data, args.out, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                    do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    seed=args.seed, method=args.method, ssd_options=options, models=models, metric=args.metric,
+                    reference_field=args.reference_field, allow_code_execution=args.allow_code_execution,
+                    progress=not args.no_progress, state=state)
+    except (ev.EvalError, store.StoreError, ScoringError) as err:
+        raise SystemExit(f"hf-ssd: {err}") from err
+    if summary is not None:
+        print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))
+        print(f"[hf-ssd] results in {args.out}: results.jsonl, settings.json, summary.json, summary.md, "
+              + ", ".join(Path(p).name for p in summary["plots"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:
         import transformers
 
         transformers.logging.set_verbosity_error()
-    command = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune}[args.command]
+    command = {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune, "eval": cmd_eval}[args.command]
     with _torch_threads(args.threads or (1 if args.tiny else None)), _profile_switch(args):
         return command(args)
 
