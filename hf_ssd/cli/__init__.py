@@ -407,7 +407,10 @@ def _add_eval_parser(sub) -> None:
                          "{role, content} lists is used as is)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N rows (default: all)")
     ev.add_argument("--out", default="eval_out", help="output directory (rerun with the same one to resume)")
-    ev.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (only 1 for now)")
+    ev.add_argument("--batch-size", type=int, default=1,
+                    help="examples per generate call, left-padded (ssd: hf_ssd's batched loop; ar: the target's own "
+                         "batched generate; sd: 1 only). Greedy completions are the same at any batch size, so a "
+                         "run may resume at another one; a kill loses at most the batch in flight")
     ev.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per example")
     ev.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     ev.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
@@ -473,13 +476,9 @@ def cmd_eval(args) -> int:
     from ..bench.runner import torch_threads
     from ..bench.scoring import ScoringError, check_metric
 
-    if args.batch_size != 1:
-        raise SystemExit(f"hf-ssd: --batch-size {args.batch_size}: batched SSD is not available yet (SSD, like "
-                         "transformers' assisted generation, generates one sequence per call). Use --batch-size 1; "
-                         "for throughput run data-parallel processes: accelerate launch --num_processes N -m "
-                         "hf_ssd.cli eval ...")
     options = ssd_options(args) if args.method == "ssd" else {}
     try:
+        ev.check_batch_size(args.batch_size, args.method)  # before anything is written or loaded
         SSDConfig(**options)
         data = ev.load_data(args.data, args.field, args.split, args.limit)
         ev.check_prompts(data, args.chat)
@@ -491,6 +490,12 @@ def cmd_eval(args) -> int:
         raise SystemExit(f"hf-ssd: {err}") from err
     state = _eval_state(args)
     models = _eval_models(args)
+    # The batch size is not among the settings: greedy completions are identical at every batch size (each row is
+    # exact: SSD's batched loop per row, the target's own batched generate on left-padded rows), so a run may be
+    # resumed, or extended, at another --batch-size without mixing different results. (In float16/bfloat16 a
+    # batched kernel may round differently from a one-row one and flip a near-tie, as in any batched generate.
+    # Sampled completions follow the same distribution at any batch size; their draws depend on the batches, see
+    # hf_ssd/bench/eval.py.)
     settings = ev.eval_settings(data, models, generation, args.method, options, args.chat)
     lock = store.exclusive(Path(args.out)) if state.is_main_process else contextlib.nullcontext()
     try:
@@ -508,7 +513,8 @@ def cmd_eval(args) -> int:
                 summary = ev.evaluate_dataset(
                     target, draft, tokenizer, data, args.out, chat=args.chat, max_new_tokens=args.max_new_tokens,
                     do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, method=args.method, ssd_options=options, models=models, metric=args.metric,
+                    seed=args.seed, method=args.method, ssd_options=options, batch_size=args.batch_size,
+                    models=models, metric=args.metric,
                     reference_field=args.reference_field, allow_code_execution=args.allow_code_execution,
                     progress=not args.no_progress, state=state)
     except (ev.EvalError, store.StoreError, ScoringError) as err:
