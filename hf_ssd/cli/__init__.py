@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gammas", type=_int_list, default=None,
                        help=f"SSD / tuned-assisted draft lengths (default {_ints(BENCH_QUICK['gammas'])}; "
                             f"{_ints(BENCH_FULL['gammas'])} with --full)")
+    bench.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", type=_int_list, default=[1],
+                       metavar="B[,B...]",
+                       help="prompts per generate call, comma-separated (e.g. 1,4,16): the methods above run at 1; "
+                            "each B > 1 runs the target's own batched generate and SSDConfig() (hf_ssd's batched "
+                            "loop) over the same prompts in batches of B, left-padded, and reports their dataset "
+                            "throughput, SSD / target batched, and the options SSD chose")
     bench.add_argument("--out", default="bench_out", help="output directory")
     bench.add_argument("--seed", type=int, default=0, help="seed for prompt selection and sampling")
     bench.add_argument("--chat", choices=("auto", "always", "never"), default="auto",
@@ -349,13 +355,15 @@ def cmd_bench(args) -> int:
     bad_modes = [m for m in setting["modes"] if m not in ("greedy", "sample")]
     if bad_modes or not setting["modes"]:
         raise SystemExit(f"hf-ssd: --modes takes greedy and/or sample, got {setting['modes']}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise SystemExit(f"hf-ssd: --batch-sizes takes batch sizes of at least 1, got {args.batch_sizes}")
     target, draft, tokenizer = load_models(args)
     max_prompt = args.max_prompt_tokens or (128 if args.tiny else None)
     results = run_bench(
         target, draft, tokenizer, datasets=args.datasets, out_dir=args.out, num_prompts=setting["num_prompts"],
         max_new_tokens=setting["max_new_tokens"], modes=tuple(setting["modes"]), gammas=tuple(setting["gammas"]),
         ssd_options=options, seed=args.seed, chat=args.chat, max_prompt_tokens=max_prompt,
-        progress=not args.no_progress,
+        progress=not args.no_progress, batch_sizes=tuple(args.batch_sizes),
     )
     from pathlib import Path
 
