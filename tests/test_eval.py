@@ -1,6 +1,7 @@
 """`hf-ssd eval` on the tiny pair: completions against the target alone, the summary's counts, every input
-format, resume after a SIGKILL and after a torn last line, refused setting changes, and the data-parallel run
-under `accelerate launch` (two CPU processes) against one process."""
+format, resume after a SIGKILL and after a torn last line, refused setting changes, batches (--batch-size:
+the same completions, each batch's time counted once, a failed batch losing only itself), and the
+data-parallel run under `accelerate launch` (two CPU processes) against one process."""
 
 from __future__ import annotations
 
@@ -529,12 +530,14 @@ def test_two_processes_give_the_completions_of_one_once_each(baseline, data, tmp
 
 
 def test_two_processes_resume_a_partial_run(baseline, data, tmp_path):
+    """Two processes resume a partial run, in batches of two (each process takes its share of the 5 pending
+    examples two per call)."""
     out = tmp_path / "dp"
     out.mkdir()
     shutil.copy(baseline / "settings.json", out)
     lines = (baseline / "results.jsonl").read_bytes().splitlines(keepends=True)
     (out / "results.jsonl").write_bytes(b"".join(lines[:3]) + lines[3][:25])  # 3 done, a torn fourth
-    run = _launch(eval_args(data, out, "--device", "cpu"), tmp_path)
+    run = _launch(eval_args(data, out, "--device", "cpu", "--batch-size", "2"), tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     after = (out / "results.jsonl").read_bytes().splitlines(keepends=True)
     assert after[:3] == lines[:3]
@@ -542,4 +545,5 @@ def test_two_processes_resume_a_partial_run(baseline, data, tmp_path):
     assert [r["index"] for r in got] == list(range(len(PROMPTS)))
     assert [r["completion_ids"] for r in got] == [r["completion_ids"] for r in records(baseline)]
     assert {r["rank"] for r in got[3:]} == {0, 1}
+    assert [r["batch_size"] for r in got[3:]] == [2, 2, 1, 2, 2]  # shares 3..5 and 6..7
     assert json.loads((out / "summary.json").read_text())["this_run"]["already_done"] == 3

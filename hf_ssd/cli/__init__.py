@@ -193,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{_ints(BENCH_FULL['gammas'])} with --full)")
     bench.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", type=_int_list, default=[1],
                        metavar="B[,B...]",
-                       help="prompts per generate call, comma-separated (e.g. 1,4,16): the methods above run at 1; "
-                            "each B > 1 runs the target's own batched generate and SSDConfig() (hf_ssd's batched "
+                       help="prompts per generate call, comma-separated (e.g. 1,4,16): the bench's methods (AR, "
+                            "assisted, SSD variants) run when 1 is among them; each B > 1 runs the target's own batched generate and SSDConfig() (hf_ssd's batched "
                             "loop) over the same prompts in batches of B, left-padded, and reports their dataset "
                             "throughput, SSD / target batched, and the options SSD chose")
     bench.add_argument("--out", default="bench_out", help="output directory")
