@@ -197,3 +197,86 @@ def test_markdown_reports_a_greedy_mismatch_loudly():
     md = render_markdown(results)
     assert "**MISMATCH** d · ssd_g2: 1 prompt(s) differ" in md and "[3]" in md
     assert "| ar | 10.00 | 1.00× | — |" in md
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+
+def test_bench_batch_sizes_tiny(tmp_path, capsys):
+    """--batch-sizes 1,2: the bench's methods at 1 and, at 2, the target's own batched generate and SSDConfig()
+    over the same prompts in batches of two (3 prompts: batches of 2 and 1)."""
+    out = tmp_path / "bench"
+    argv = ["bench", "--tiny", "--num-prompts", "3", "--max-new-tokens", "8", "--gammas", "2", "--out", str(out),
+            "--no-progress", "--batch-sizes", "1,2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "target batched and SSD at B = 2" in printed and "## Batched: dataset throughput" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["batch_sizes"] == [1, 2] and results["greedy_identical"] is True
+    rows = results["batched"]
+    assert {(r["dataset"], r["batch_size"], r["method"]) for r in rows} == {
+        (d, b, m) for d in ("humaneval", "gsm") for b in (1, 2) for m in ("target_batched", "ssd")}
+    singles = {(r["dataset"], r["method"]): r for r in results["results"]}
+    for r in rows:
+        assert r["prompts"] == 3 and r["new_tokens"] > 0 and r["tokens_per_second"] > 0
+        assert r["rows_per_batch"] == ([1, 1, 1] if r["batch_size"] == 1 else [2, 1])
+        assert r["tokens_per_second"] == pytest.approx(r["new_tokens"] / r["seconds"])  # dataset throughput
+        assert r["seconds"] == pytest.approx(sum(b["seconds"] for b in r["per_batch"]))
+        base = next(x for x in rows if x["dataset"] == r["dataset"] and x["batch_size"] == r["batch_size"]
+                    and x["method"] == "target_batched")
+        assert r["ratio_vs_target_batched"] == pytest.approx(r["tokens_per_second"] / base["tokens_per_second"])
+        if r["batch_size"] == 1:  # from the bench's own ar and ssd rows
+            single = singles[(r["dataset"], r["from_method"])]
+            assert r["tokens_per_second"] == pytest.approx(single["tokens_per_second"])
+        if r["method"] == "ssd":
+            assert r["options"] and sum(o["rounds"] for o in r["options"].values()) == r["rounds"]
+            assert [s[0] for s in r["option_shares"]] and sum(s[2] for s in r["option_shares"]) == pytest.approx(1)
+    for d in ("humaneval", "gsm"):
+        check = results["batched_check"][d]["2"]
+        assert check["ssd_vs_target_batched"]["exact_match"] == 1.0
+        assert len(check["ssd_vs_target_batched"]["first_divergence"]) == 3  # every row compared
+        assert check["target_batched_vs_target_alone"]["exact_match"] == 1.0  # float64: batching changes nothing
+    md = (out / "results.md").read_text()
+    assert "| B | calls × rows | target batched tok/s | SSD tok/s | SSD / target batched |" in md
+    assert "| 2 | 2 × 2/1 |" in md and "SSD token-identical to the target's batched generate on all 3 rows" in md
+    assert (out / "batched_tok_s.png").read_bytes()[:4] == b"\x89PNG"
+    check_figures_batched(results)
+
+
+def check_figures_batched(results):
+    from hf_ssd.bench.runner import figures
+
+    fig = figures(results)["batched_tok_s"]
+    assert "prompts:" in fig._suptitle.get_text() and "SSD rounds" in fig._suptitle.get_text()
+    for ax in fig.axes:
+        assert ax.get_ylim()[0] == 0
+        assert set(ax.get_legend_handles_labels()[1]) == {"target's own batched generate", "SSD (SSDConfig())"}
+
+
+def test_batched_mismatch_is_reported(metric):
+    from hf_ssd.bench.runner import BatchResult, BatchRun, check_batched, render_batched, summarize_batched
+
+    target, ssd = BatchRun("target_batched", 2), BatchRun("ssd", 2)
+    target.add(BatchResult([[1, 2, 3], [4, 5]], 1.0))
+    target.add(BatchResult([[6, 7]], 0.5))
+    ssd.add(BatchResult([[1, 2, 3], [4, 9]], 0.5))
+    ssd.add(BatchResult([[6, 7]], 0.25))
+    by_size = {2: {"target_batched": target, "ssd": ssd}}
+    check = check_batched(metric, by_size, None)
+    assert check[2]["ssd_vs_target_batched"]["mismatch_indices"] == [1]
+    assert target.tokens_per_second == pytest.approx(7 / 1.5) and target.rows == [2, 1]
+    rows = summarize_batched("d", "greedy", by_size)
+    assert [r["ratio_vs_target_batched"] for r in rows] == [pytest.approx(1.0), pytest.approx(2.0)]
+    from hf_ssd.bench import FORMULA, render_markdown
+
+    results = {
+        "environment": {"target": "t", "draft": "d", "device": "cpu", "dtype": "float32", "torch_threads": 1,
+                        "torch": "x", "transformers": "y", "machine": "m", "cpu_count": 1, "date": "now"},
+        "settings": {"datasets": ["d"], "modes": ["greedy"], "num_prompts": 3, "max_new_tokens": 4,
+                     "sample_temperature": 0.7, "batch_sizes": [2], "ssd_options": {}},
+        "results": [], "greedy_check": {}, "gsm_accuracy": {}, "layout_effect": [], "formula": FORMULA,
+        "batched": rows, "batched_check": {"d": check},
+    }
+    md = render_markdown(results)
+    assert "**MISMATCH** d · SSD at B=2: 1 row(s) differ" in md and "| 2 | 2 × 2/1 |" in md
+    assert "2.00×" in md and render_batched(results)

@@ -1,6 +1,7 @@
 """`hf-ssd eval` on the tiny pair: completions against the target alone, the summary's counts, every input
-format, resume after a SIGKILL and after a torn last line, refused setting changes, and the data-parallel run
-under `accelerate launch` (two CPU processes) against one process."""
+format, resume after a SIGKILL and after a torn last line, refused setting changes, batches (--batch-size:
+the same completions, each batch's time counted once, a failed batch losing only itself), and the
+data-parallel run under `accelerate launch` (two CPU processes) against one process."""
 
 from __future__ import annotations
 
@@ -322,9 +323,143 @@ def test_results_without_settings_and_a_busy_directory_are_refused(data, tmp_pat
         holder.wait()
 
 
-def test_batch_size_above_one_is_refused_clearly(data, tmp_path):
-    with pytest.raises(SystemExit, match="batched SSD is not available yet"):
-        main(eval_args(data, tmp_path / "o", "--batch-size", "4"))
+# ----------------------------------------------------------------------------------------------- batches
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory, data):
+    """The baseline's run at --batch-size 4: two batches of four through SSD's batched loop."""
+    out = tmp_path_factory.mktemp("batched") / "out"
+    assert main(eval_args(data, out, "--batch-size", "4")) == 0
+    return out
+
+
+def test_batched_completions_equal_batch_one_and_the_target_alone(batched, baseline, reference):
+    ids, texts = reference
+    got = records(batched)
+    assert [r["index"] for r in got] == list(range(len(PROMPTS)))
+    assert [r["completion_ids"] for r in got] == ids, "a batched completion differs from the target alone"
+    assert [r["completion_ids"] for r in got] == [r["completion_ids"] for r in records(baseline)]
+    assert [r["completion"] for r in got] == texts
+    assert 0 < sum(len(t) < MAX_NEW for t in ids) < len(ids)  # rows that ended at EOS inside a longer batch
+    for r in got:
+        assert r["batch_size"] == 4 and r["batch_start"] == 4 * (r["index"] // 4) and r["method"] == "ssd"
+        assert r["seconds"] == r["batch_seconds"] > 0 and r["layout"] == "batch" and r["hit_rate"] is None
+        assert r["rounds"] >= 1 and 0 <= r["accepted_tokens"] <= r["proposed_tokens"]
+        if r["proposed_tokens"]:
+            assert r["acceptance_rate"] == pytest.approx(r["accepted_tokens"] / r["proposed_tokens"])
+    assert len({r["batch_seconds"] for r in got}) == 2  # one wall time per batch
+
+
+def test_batched_summary_counts_each_batch_once(batched):
+    got = records(batched)
+    s = json.loads((batched / "summary.json").read_text())
+    batches = {r["batch_start"]: r for r in got}
+    wall = sum(r["batch_seconds"] for r in batches.values())
+    assert s["seconds"] == pytest.approx(wall) and s["seconds"] < sum(r["seconds"] for r in got)
+    assert s["new_tokens"] == sum(r["new_tokens"] for r in got)
+    assert s["tokens_per_second"] == pytest.approx(s["new_tokens"] / wall)  # dataset throughput
+    per = [r["new_tokens"] / r["batch_seconds"] for r in got]
+    assert s["tokens_per_second_per_example"]["mean"] == pytest.approx(sum(per) / len(per))
+    assert s["batch_sizes"] == {"4": len(PROMPTS)} and s["this_run"]["batch_size"] == 4
+    # Option rounds are the generate calls' rounds: each batch's once, not once per row.
+    want: dict = {}
+    for r in batches.values():
+        for name, o in r["options"].items():
+            want[name] = want.get(name, 0) + o["rounds"]
+    assert {k: v["rounds"] for k, v in s["ssd"]["options"].items()} == want
+    assert s["ssd"]["accepted_tokens"] == sum(r["accepted_tokens"] for r in got)
+    assert "4 examples per generate call" in (batched / "summary.md").read_text()
+
+
+def test_batched_rows_carry_their_own_acceptance(data, tmp_path, reference):
+    """Fixed SD at gamma 3 (deterministic rounds): each result line holds its own row of the batch's stats."""
+    import hf_ssd
+    from hf_ssd.bench.batched import left_pad
+
+    ids, _ = reference
+    argv = eval_args(data, tmp_path / "o", "--batch-size", "8", "--schedule", "fixed", "--gamma", "3")
+    assert main(argv) == 0
+    got = records(tmp_path / "o")
+    assert [r["completion_ids"] for r in got] == ids
+    target, draft, tok = tiny_pair()
+    hf_ssd.enable(target)
+    input_ids, mask = left_pad([tok(p).input_ids for p in PROMPTS], tok.pad_token_id, "cpu")
+    target.generate(input_ids, attention_mask=mask, assistant_model=draft, max_new_tokens=MAX_NEW, do_sample=False,
+                    ssd_config=hf_ssd.SSDConfig(gamma=3, schedule="fixed", hit_rate_warning=0.0))
+    rows = hf_ssd.last_stats(target).rows
+    assert [(r["rounds"], r["proposed_tokens"], r["accepted_tokens"]) for r in got] == \
+        [(w["rounds"], w["proposed"], w["accepted"]) for w in rows]
+    assert len({r["accepted_tokens"] for r in got}) > 1  # the rows differ: not the batch's totals
+
+
+def test_ar_batches_use_the_target_alone_and_equal_it(data, tmp_path, reference):
+    """--method ar at --batch-size 3 (batches of 3, 3 and 2): the target's own batched generate."""
+    import hf_ssd.bench.eval as ev
+
+    calls = []
+    real = ev.generate_batch
+
+    def spy(target, prompts, pad, **kwargs):
+        calls.append((len(prompts), sorted(kwargs)))
+        return real(target, prompts, pad, **kwargs)
+
+    ev.generate_batch = spy
+    try:
+        assert main(eval_args(data, tmp_path / "o", "--method", "ar", "--batch-size", "3")) == 0
+    finally:
+        ev.generate_batch = real
+    assert [n for n, _ in calls] == [3, 3, 2]
+    assert all("assistant_model" not in kw and "ssd_config" not in kw for _, kw in calls)
+    got = records(tmp_path / "o")
+    assert [r["completion_ids"] for r in got] == reference[0]
+    assert [r["batch_size"] for r in got] == [3, 3, 3, 3, 3, 3, 2, 2] and "rounds" not in got[0]
+
+
+def test_a_failed_batch_loses_only_itself_and_the_run_resumes_at_another_size(data, tmp_path, reference,
+                                                                               monkeypatch):
+    import hf_ssd.bench.eval as ev
+
+    out = tmp_path / "o"
+    real, calls = ev.run_batch, []
+
+    def failing(*args, **kwargs):
+        calls.append(args[4])  # the batch's indices
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "run_batch", failing)
+    with pytest.raises(SystemExit, match=r"batch of examples 3\.\.5 .*boom"):
+        main(eval_args(data, out, "--batch-size", "3"))
+    assert [r["index"] for r in records(out)] == [0, 1, 2]  # the first batch, whole; nothing of the second
+    monkeypatch.setattr(ev, "run_batch", real)
+    # Batch size is not a setting: the rerun at another size resumes (rows 3..7 in one batch of 5).
+    assert main(eval_args(data, out, "--batch-size", "5")) == 0
+    got = records(out)
+    assert [r["index"] for r in got] == list(range(len(PROMPTS)))
+    assert [r["completion_ids"] for r in got] == reference[0]
+    assert [r["batch_size"] for r in got] == [3, 3, 3, 5, 5, 5, 5, 5]
+    assert json.loads((out / "summary.json").read_text())["this_run"]["generated"] == 5
+
+
+@pytest.mark.parametrize("method", [["--method", "ar"], ["--schedule", "fixed", "--gamma", "3"]], ids=["ar", "ssd"])
+def test_sampled_batches_are_seeded_per_batch(data, tmp_path, method):
+    """Same seed, same batches: the same draws. (SSD at a fixed schedule: with schedule auto the rounds, and so
+    the random numbers each draw uses, follow measured costs.)"""
+    args = ["--do-sample", "--temperature", "1.5", "--seed", "7", "--batch-size", "4", *method]
+    assert main(eval_args(data, tmp_path / "a", *args)) == 0
+    assert main(eval_args(data, tmp_path / "b", *args)) == 0
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
+    assert len({tuple(r["completion_ids"]) for r in a}) > 1
+
+
+def test_batch_size_refusals(data, tmp_path):
+    with pytest.raises(SystemExit, match="batch-1 only"):
+        main(eval_args(data, tmp_path / "o", "--method", "sd", "--batch-size", "2"))
+    with pytest.raises(SystemExit, match="at least 1"):
+        main(eval_args(data, tmp_path / "o", "--batch-size", "0"))
     assert not (tmp_path / "o").exists()
 
 
@@ -395,12 +530,14 @@ def test_two_processes_give_the_completions_of_one_once_each(baseline, data, tmp
 
 
 def test_two_processes_resume_a_partial_run(baseline, data, tmp_path):
+    """Two processes resume a partial run, in batches of two (each process takes its share of the 5 pending
+    examples two per call)."""
     out = tmp_path / "dp"
     out.mkdir()
     shutil.copy(baseline / "settings.json", out)
     lines = (baseline / "results.jsonl").read_bytes().splitlines(keepends=True)
     (out / "results.jsonl").write_bytes(b"".join(lines[:3]) + lines[3][:25])  # 3 done, a torn fourth
-    run = _launch(eval_args(data, out, "--device", "cpu"), tmp_path)
+    run = _launch(eval_args(data, out, "--device", "cpu", "--batch-size", "2"), tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     after = (out / "results.jsonl").read_bytes().splitlines(keepends=True)
     assert after[:3] == lines[:3]
@@ -408,4 +545,5 @@ def test_two_processes_resume_a_partial_run(baseline, data, tmp_path):
     assert [r["index"] for r in got] == list(range(len(PROMPTS)))
     assert [r["completion_ids"] for r in got] == [r["completion_ids"] for r in records(baseline)]
     assert {r["rank"] for r in got[3:]} == {0, 1}
+    assert [r["batch_size"] for r in got[3:]] == [2, 2, 1, 2, 2]  # shares 3..5 and 6..7
     assert json.loads((out / "summary.json").read_text())["this_run"]["already_done"] == 3

@@ -11,6 +11,14 @@ Methods (all through `target.generate`, timed as the wall time of each call, tok
 Greedy outputs of every method must be token-identical to `ar`; this is checked with the project's `evaluate`
 metric (`hf_ssd/bench/metrics/ssd_match.py`, loaded from the local file) and a mismatch is reported loudly.
 
+Batches (`batch_sizes`, `hf-ssd bench --batch-sizes 1,4,16`): the methods above run at B = 1 only. At each
+B > 1 the dataset's prompts, in the same order, are grouped into batches of B (left-padded, `batched.py`) and
+two methods run over the same batches: `target_batched` (the target's own batched `generate`) and `ssd`
+(`SSDConfig()` with the bench's SSD options, through hf_ssd's batched loop). Each is warmed up once at each B.
+Their throughput is the dataset's: all rows' new tokens / all the calls' wall time; the report gives SSD /
+target batched per B (at B = 1 from `ar` and `ssd`), the options SSD's scheduler chose, and, greedy, each
+row of SSD against the same row of the target's batched generate (mismatches are reported like the others).
+
 Predicted speedup (the paper's timing model, fed with this run's own measurements). Per round, SD costs
 T_draft(gamma) + T_verify; SSD costs max(T_v, T_s) on a cache hit (speculation overlapped with verification)
 and T_fb + T_v on a miss (fallback draft on the critical path). With E = mean accepted + 1 tokens per round:
@@ -36,6 +44,7 @@ import torch
 
 from ..config import SSDConfig
 from ..integration import enable, last_stats
+from .batched import chunks, generate_batch, pad_token_id
 from .prompts import encode_prompt, extract_number, load_prompts
 from .timeline import Intervals
 
@@ -117,12 +126,13 @@ class CallResult:
 class Runner:
     """Runs one method on one prompt; everything else (models, SSD options) is fixed for the whole bench."""
 
-    def __init__(self, target, draft, ssd_options: dict | None = None):
+    def __init__(self, target, draft, ssd_options: dict | None = None, pad: int | None = None):
         self.target = enable(target)
         self.draft = draft
         self.ssd_options = dict(ssd_options or {})
         self.device = target.device
         self.eos = target.generation_config.eos_token_id
+        self.pad = pad_token_id(target) if pad is None else pad
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -158,6 +168,83 @@ class Runner:
             return CallResult(tokens, seconds)
         stats = last_stats(self.target)
         return CallResult(tokens, seconds, stats, Intervals.from_stats(stats))
+
+    def call_batch(self, kind: str, batch: list[list[int]], max_new_tokens: int, do_sample: bool,
+                   seed: int) -> BatchResult:
+        """One left-padded generate call over `batch`: `kind` "target_batched" (the target alone) or "ssd"."""
+        kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+        if do_sample:
+            kwargs["temperature"] = SAMPLE_TEMPERATURE
+        if kind == "ssd":
+            kwargs.update(assistant_model=self.draft,
+                          ssd_config=SSDConfig(**{**self.ssd_options, "hit_rate_warning": 0.0}))
+        elif kind != "target_batched":
+            raise ValueError(f"unknown batched method {kind!r}")
+        torch.manual_seed(seed)
+        tokens, seconds = generate_batch(self.target, batch, self.pad, **kwargs)
+        return BatchResult(tokens, seconds, last_stats(self.target) if kind == "ssd" else None)
+
+
+@dataclass
+class BatchResult:
+    tokens: list[list[int]]  # per row
+    seconds: float  # the call's wall time
+    stats: object = None
+
+
+BATCHED_METHODS = ("target_batched", "ssd")
+
+
+@dataclass
+class BatchRun:
+    """One batched method at one batch size over a dataset: every row's tokens, every call's seconds and stats."""
+
+    kind: str
+    batch_size: int
+    tokens: list[list[int]] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # rows of each call
+    stats: list = field(default_factory=list)
+
+    def add(self, r: BatchResult) -> None:
+        self.tokens += r.tokens
+        self.seconds.append(r.seconds)
+        self.rows.append(len(r.tokens))
+        if r.stats is not None:
+            self.stats.append(r.stats)
+
+    @classmethod
+    def from_method_run(cls, kind: str, run: MethodRun) -> BatchRun:
+        """B = 1: a method of the bench itself (`ar`, `ssd`), one prompt per call."""
+        return cls(kind, 1, list(run.tokens), list(run.seconds), [1] * len(run.tokens), list(run.stats))
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def options(self) -> dict:
+        """The rounds and round seconds of each option SSD's scheduler ran, over all calls."""
+        out: dict = {}
+        for st in self.stats:
+            for name, o in st.options.items():
+                entry = out.setdefault(name, {"rounds": 0, "seconds": 0.0})
+                entry["rounds"] += o["rounds"]
+                entry["seconds"] += o["seconds"]
+        return out
+
+    def option_shares(self) -> list[tuple[str, int, float]]:
+        """(option, rounds, share of round time), most time first (as `SSDStats.option_shares`)."""
+        options = self.options()
+        total = sum(o["seconds"] for o in options.values()) or 1.0
+        return sorted(((n, o["rounds"], o["seconds"] / total) for n, o in options.items()), key=lambda r: -r[2])
 
 
 # ----------------------------------------------------------------------------------------------- aggregation
@@ -283,14 +370,22 @@ def run_bench(
     max_prompt_tokens: int | None = None,
     warmup_tokens: int = 8,
     progress: bool = True,
+    batch_sizes: tuple[int, ...] = (1,),
 ) -> dict:
-    """Run every method on every (dataset, mode), write results.json, results.md and plots into `out_dir`."""
+    """Run every method on every (dataset, mode), write results.json, results.md and plots into `out_dir`.
+
+    `batch_sizes`: the bench's methods run when 1 is among them; each B > 1 runs the batched methods (module
+    docstring)."""
     from tqdm.auto import tqdm
 
+    batch_sizes = tuple(sorted(set(batch_sizes)))
+    if not batch_sizes or batch_sizes[0] < 1:
+        raise ValueError(f"batch sizes must be at least 1, got {list(batch_sizes)}")
+    batched_sizes = [b for b in batch_sizes if b > 1]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = Runner(target, draft, ssd_options)
-    methods = bench_methods(list(gammas))
+    runner = Runner(target, draft, ssd_options, pad_token_id(target, tokenizer))
+    methods = bench_methods(list(gammas)) if 1 in batch_sizes else []
     metric = load_metric()
     sets = []
     for spec in datasets:
@@ -301,34 +396,59 @@ def run_bench(
             encoded.append(ids[-max_prompt_tokens:] if max_prompt_tokens else ids)
         sets.append((name, ds, encoded))
 
-    calls = len(modes) * len(methods) * sum(len(e) + 1 for _, _, e in sets)  # +1: each method's warm-up
-    estimate = estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens, seed)
-    print(f"[hf-ssd] bench: {len(sets)} dataset(s) x {'+'.join(modes)} x {len(methods)} methods, "
+    calls = len(modes) * sum((len(methods) * (len(e) + 1)  # +1: each method's warm-up
+                              + len(BATCHED_METHODS) * sum(len(chunks(e, b)) + 1 for b in batched_sizes))
+                             for _, _, e in sets)
+    estimate = estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens, seed, batched_sizes)
+    batched_note = f" + target batched and SSD at B = {_ints(batched_sizes)}" if batched_sizes else ""
+    print(f"[hf-ssd] bench: {len(sets)} dataset(s) x {'+'.join(modes)} x {len(methods)} methods{batched_note}, "
           f"{sum(len(e) for _, _, e in sets)} prompts in all, {max_new_tokens} new tokens each ({calls} calls); "
           f"estimated {_duration(estimate)} on this machine", flush=True)
     rows, greedy_check, accuracy, cutoffs = [], {}, {}, {}
+    batched_rows, batched_check = [], {}
     bench_start = time.perf_counter()
     for name, ds, encoded in sets:
         for mode in modes:
             do_sample = mode == "sample"
             runs: dict[str, MethodRun] = {}
-            bar = tqdm(total=len(methods) * len(encoded), desc=f"{name}/{mode}", disable=not progress, leave=False)
+            total = len(methods) * len(encoded) + len(BATCHED_METHODS) * len(batched_sizes) * len(encoded)
+            bar = tqdm(total=total, desc=f"{name}/{mode}", disable=not progress, leave=False)
             for method in methods:
                 runner.call(method, encoded[0], min(warmup_tokens, max_new_tokens), do_sample, seed)  # warm-up
                 run = runs[method.name] = MethodRun(method)
                 for i, ids in enumerate(encoded):
                     run.add(runner.call(method, ids, max_new_tokens, do_sample, seed + i))
                     bar.update(1)
+            by_size: dict[int, dict[str, BatchRun]] = {}
+            if methods:
+                by_size[1] = {"target_batched": BatchRun.from_method_run("target_batched", runs["ar"]),
+                              "ssd": BatchRun.from_method_run("ssd", runs["ssd"])}
+            for b in batched_sizes:
+                groups = chunks(encoded, b)  # the prompts in order, b per call
+                for kind in BATCHED_METHODS:
+                    runner.call_batch(kind, groups[0], min(warmup_tokens, max_new_tokens), do_sample, seed)  # warm-up
+                    brun = by_size.setdefault(b, {})[kind] = BatchRun(kind, b)
+                    for j, group in enumerate(groups):
+                        brun.add(runner.call_batch(kind, group, max_new_tokens, do_sample, seed + j * b))
+                        bar.update(len(group))
             bar.close()
-            rows += summarize(name, mode, runs)
-            if mode == "greedy":
-                greedy_check[name] = check_identical(metric, runs)
-            if tokenizer is not None and any(k == "math" for k in ds["kind"]):
-                accuracy.setdefault(name, {})[mode] = answer_accuracy(metric, runs, ds, tokenizer)
-            cutoffs.setdefault(name, {})[mode] = cut_off(runs, max_new_tokens, runner.eos)
+            if methods:
+                rows += summarize(name, mode, runs)
+                if mode == "greedy":
+                    greedy_check[name] = check_identical(metric, runs)
+                if tokenizer is not None and any(k == "math" for k in ds["kind"]):
+                    accuracy.setdefault(name, {})[mode] = answer_accuracy(metric, runs, ds, tokenizer)
+                cutoffs.setdefault(name, {})[mode] = cut_off(runs, max_new_tokens, runner.eos)
+            if batched_sizes:
+                batched_rows += summarize_batched(name, mode, by_size)
+                if mode == "greedy":
+                    batched_check[name] = check_batched(metric, by_size, runs.get("ar"))
     elapsed = time.perf_counter() - bench_start
 
     mismatched = {d: [m for m, r in c.items() if r["num_mismatches"]] for d, c in greedy_check.items()}
+    for d, checks in batched_check.items():
+        mismatched.setdefault(d, []).extend(f"ssd_b{b}" for b, c in checks.items()
+                                            if c["ssd_vs_target_batched"]["num_mismatches"])
     mismatched = {d: ms for d, ms in mismatched.items() if ms}
     results = {
         "environment": environment(target, draft, runner.device, next(target.parameters()).dtype),
@@ -337,6 +457,7 @@ def run_bench(
             "prompts_per_dataset": {s[0]: len(s[2]) for s in sets},
             "estimated_seconds": estimate, "elapsed_seconds": elapsed,
             "modes": list(modes), "gammas": list(gammas), "sample_temperature": SAMPLE_TEMPERATURE, "seed": seed,
+            "batch_sizes": list(batch_sizes),
             "chat": chat, "max_prompt_tokens": max_prompt_tokens, "ssd_options": dict(ssd_options or {}),
             "methods": [m.__dict__ for m in methods],
         },
@@ -347,6 +468,8 @@ def run_bench(
         "gsm_accuracy": accuracy,
         "cut_off": cutoffs,
         "layout_effect": layout_effect(rows),
+        "batched": batched_rows,
+        "batched_check": batched_check,
         "formula": FORMULA,
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
@@ -360,16 +483,21 @@ def run_bench(
     return results
 
 
+def _ints(values) -> str:
+    return ",".join(map(str, values))
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-def estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens, seed) -> float:
+def estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens, seed, batched_sizes=()) -> float:
     """Rough wall time of the whole bench, from short timed AR calls on the first prompt.
 
     A 1-token call (after one to warm up) measures the prompt's prefill and the fixed cost of a call; a
     (1 + n)-token call adds n decode steps. Every method is counted at AR's speed (the others are about as
-    fast or faster), so this is a rough upper estimate."""
+    fast or faster), so this is a rough upper estimate; batched methods too, as if each row ran alone (a
+    batched step costs less than its rows' steps one by one)."""
     if not sets or not sets[0][2]:
         return 0.0
     probe = sets[0][2][0]
@@ -381,6 +509,10 @@ def estimate_seconds(runner, sets, methods, modes, max_new_tokens, warmup_tokens
     per_token = max(0.0, longer.seconds - t_call) / max(1, len(longer.tokens) - 1)
     calls = len(modes) * len(methods) * sum(len(e) + 1 for _, _, e in sets)  # +1: each method's warm-up
     tokens = len(modes) * len(methods) * sum(len(e) * max_new_tokens + warmup_tokens for _, _, e in sets)
+    for b in batched_sizes:  # per row: its prefill and its tokens; per call: the rows of its warm-up
+        calls += len(modes) * len(BATCHED_METHODS) * sum(len(e) + min(b, len(e)) for _, _, e in sets)
+        tokens += len(modes) * len(BATCHED_METHODS) * sum(len(e) * max_new_tokens + min(b, len(e)) * warmup_tokens
+                                                          for _, _, e in sets)
     return calls * t_call + tokens * per_token
 
 
@@ -401,7 +533,7 @@ def summarize(dataset: str, mode: str, runs: dict[str, MethodRun]) -> list[dict]
         m = run.method
         row = {
             "dataset": dataset, "mode": mode, "method": name, "kind": m.kind, "gamma": m.gamma, "layout": m.layout,
-            "prompts": len(run.tokens), "new_tokens": run.new_tokens, "seconds": run.total_seconds,
+            "batch_size": 1, "prompts": len(run.tokens), "new_tokens": run.new_tokens, "seconds": run.total_seconds,
             "tokens_per_second": run.tokens_per_second,
             "speedup_vs_ar": run.tokens_per_second / ar_tps if ar_tps else None,
             "speedup_vs_best_assisted": run.tokens_per_second / best_assisted if best_assisted else None,
@@ -416,6 +548,50 @@ def summarize(dataset: str, mode: str, runs: dict[str, MethodRun]) -> list[dict]
             row["predicted_sd_speedup"] = pred_sd
         rows.append(row)
     return rows
+
+
+def summarize_batched(dataset: str, mode: str, by_size: dict[int, dict[str, BatchRun]]) -> list[dict]:
+    """One row per (batch size, batched method): dataset throughput, SSD / target batched, SSD's options."""
+    rows = []
+    for b, runs in sorted(by_size.items()):
+        base = runs["target_batched"].tokens_per_second
+        for kind, run in runs.items():
+            row = {
+                "dataset": dataset, "mode": mode, "batch_size": b, "method": kind,
+                "from_method": ({"target_batched": "ar", "ssd": "ssd"}[kind] if b == 1 else None),
+                "prompts": len(run.tokens), "batches": len(run.seconds), "rows_per_batch": run.rows,
+                "new_tokens": run.new_tokens, "seconds": run.total_seconds,
+                "tokens_per_second": run.tokens_per_second,
+                "ratio_vs_target_batched": run.tokens_per_second / base if base else None,
+                "per_batch": [{"rows": n, "seconds": s} for n, s in zip(run.rows, run.seconds)],
+            }
+            if kind == "ssd":
+                proposed = sum(st.proposed_tokens for st in run.stats)
+                accepted = sum(st.accepted_tokens for st in run.stats)
+                row.update({
+                    "rounds": sum(st.rounds for st in run.stats), "proposed_tokens": proposed,
+                    "accepted_tokens": accepted, "acceptance_rate": accepted / proposed if proposed else None,
+                    "options": run.options(), "option_shares": [list(x) for x in run.option_shares()],
+                })
+            rows.append(row)
+    return rows
+
+
+def check_batched(metric, by_size: dict[int, dict[str, BatchRun]], ar: MethodRun | None) -> dict:
+    """Per B > 1: SSD's rows against the same rows of the target's batched generate (an SSD mismatch when they
+    differ) and, for reference, the target's batched rows against the target alone (`ar`, when it ran): padding
+    and batched kernels can change the target's own output in reduced precision."""
+    out = {}
+    for b, runs in sorted(by_size.items()):
+        if b == 1:
+            continue
+        reference = runs["target_batched"].tokens
+        out[b] = {
+            "ssd_vs_target_batched": metric.compute(predictions=runs["ssd"].tokens, references=reference),
+            "target_batched_vs_target_alone": (metric.compute(predictions=reference, references=ar.tokens)
+                                               if ar is not None else None),
+        }
+    return out
 
 
 def check_identical(metric, runs: dict[str, MethodRun]) -> dict:
@@ -497,6 +673,7 @@ def render_markdown(results: dict) -> str:
                     f"{_f(r.get('predicted_speedup'), '{:.2f}×')} |"
                 )
             lines.append("")
+    lines += render_batched(results)
     lines += ["## Greedy losslessness (token-identical to the target alone)", ""]
     for dataset, checks in results["greedy_check"].items():
         bad = {m: c for m, c in checks.items() if c["num_mismatches"]}
@@ -507,7 +684,21 @@ def render_markdown(results: dict) -> str:
                              f"{[f for f in c['first_divergence'] if f >= 0]})")
         else:
             lines.append(f"- {dataset}: all {len(checks)} methods token-identical to AR ✔")
-    if not results["greedy_check"]:
+    for dataset, by_size in results.get("batched_check", {}).items():
+        for b, c in by_size.items():
+            ssd, alone = c["ssd_vs_target_batched"], c.get("target_batched_vs_target_alone")
+            if ssd["num_mismatches"]:
+                lines.append(f"- **MISMATCH** {dataset} · SSD at B={b}: {ssd['num_mismatches']} row(s) differ from "
+                             f"the target's batched generate (rows {ssd['mismatch_indices']}, first divergence at "
+                             f"tokens {[f for f in ssd['first_divergence'] if f >= 0]})")
+            else:
+                lines.append(f"- {dataset} · B={b}: SSD token-identical to the target's batched generate on all "
+                             f"{len(ssd['first_divergence'])} rows ✔")
+            if alone is not None and alone["num_mismatches"]:
+                lines.append(f"  - (the target's batched generate itself differs from the target alone on "
+                             f"{alone['num_mismatches']} row(s): padding / batched kernels in reduced precision; "
+                             "not an SSD mismatch)")
+    if not results["greedy_check"] and not results.get("batched_check"):
         lines.append("- (no greedy mode in this run)")
     lines.append("")
     if results["gsm_accuracy"]:
@@ -535,9 +726,50 @@ def render_markdown(results: dict) -> str:
         for e in results["layout_effect"]:
             lines.append(f"- {e['dataset']} · {e['mode']} · gamma {e['gamma']}: {e['layout']} / inline = {e['ratio']:.2f}×")
         lines.append("")
-    lines += [f"¹ {results['formula']}. Shown for every SSD row; it assumes overlap, so for the inline row it is "
-              "an upper bound, not a prediction.", ""]
+    if results["results"]:
+        lines += [f"¹ {results['formula']}. Shown for every SSD row; it assumes overlap, so for the inline row it is "
+                  "an upper bound, not a prediction.", ""]
     return "\n".join(lines)
+
+
+def _options_text(shares, top: int = 3) -> str:
+    if not shares:
+        return "—"
+    return ", ".join(f"{name} {rounds} ({share:.0%})" for name, rounds, share in shares[:top])
+
+
+def render_batched(results: dict) -> list[str]:
+    """The batched section: per (dataset, mode), one line per batch size (only when a B > 1 ran)."""
+    rows = results.get("batched") or []
+    if not any(r["batch_size"] > 1 for r in rows):
+        return []
+    st = results["settings"]
+    defaults = SSDConfig()
+    given = {k: v for k, v in (st.get("ssd_options") or {}).items() if getattr(defaults, k, v) != v}
+    config = "SSDConfig(" + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")"
+    above = "; B = 1: the `ar` and `ssd` rows above" if 1 in st.get("batch_sizes", []) else ""
+    lines = ["## Batched: dataset throughput (all rows' new tokens / all wall time)", "",
+             f"B prompts per generate call: the prompts in order, grouped into batches of B, left-padded; each method "
+             f"warmed up once at each B. target batched = the target's own batched `generate`; SSD = `{config}` "
+             f"(B > 1: hf_ssd's batched loop{above}).", ""]
+    header = ("| B | calls × rows | target batched tok/s | SSD tok/s | SSD / target batched | SSD acceptance "
+              "| SSD options (rounds, share of round time) |")
+    for dataset in st["datasets"]:
+        for mode in st["modes"]:
+            sel = [r for r in rows if r["dataset"] == dataset and r["mode"] == mode]
+            if not sel:
+                continue
+            lines += [f"### {dataset} · {mode}", "", header, "|" + "---|" * 7]
+            for b in sorted({r["batch_size"] for r in sel}):
+                by = {r["method"]: r for r in sel if r["batch_size"] == b}
+                t, ssd = by["target_batched"], by["ssd"]
+                sizes = sorted(set(ssd["rows_per_batch"]), reverse=True)
+                shape = f"{ssd['batches']} × {'/'.join(map(str, sizes))}"
+                lines.append(f"| {b} | {shape} | {_f(t['tokens_per_second'])} | {_f(ssd['tokens_per_second'])} | "
+                             f"{_f(ssd['ratio_vs_target_batched'], '{:.2f}×')} | "
+                             f"{_f(ssd.get('acceptance_rate'), '{:.1%}')} | {_options_text(ssd.get('option_shares'))} |")
+            lines.append("")
+    return lines
 
 
 def write_plots(results: dict, out_dir: Path) -> list[str]:
@@ -564,9 +796,13 @@ def figures(results: dict) -> dict:
 
     rows = results["results"]
     groups = [(d, m) for d in results["settings"]["datasets"] for m in results["settings"]["modes"]]
-    groups = [g for g in groups if any(r["dataset"] == g[0] and r["mode"] == g[1] for r in rows)]
-    size = _sample_size(results, rows)
     figs = {}
+    if any(r["batch_size"] > 1 for r in results.get("batched") or []):
+        figs["batched_tok_s"] = _batched_figure(results, groups, plt)
+    groups = [g for g in groups if any(r["dataset"] == g[0] and r["mode"] == g[1] for r in rows)]
+    if not rows:  # only batch sizes above 1 ran
+        return figs
+    size = _sample_size(results, rows)
 
     # 1. tok/s by method, one bar per (dataset, mode).
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -644,6 +880,35 @@ def figures(results: dict) -> dict:
     fig.tight_layout()
     figs["speedup_vs_gamma"] = fig
     return figs
+
+
+def _batched_figure(results: dict, groups: list, plt):
+    """Dataset throughput of the target's batched generate and SSD at each batch size, one panel per group."""
+    rows = results["batched"]
+    groups = [g for g in groups if any(r["dataset"] == g[0] and r["mode"] == g[1] for r in rows)]
+    st = results["settings"]
+    per = st.get("prompts_per_dataset") or {d: st["num_prompts"] for d in st["datasets"]}
+    rounds = sum(r.get("rounds", 0) for r in rows if r["method"] == "ssd")
+    size = (f"prompts: {', '.join(f'{d} {n}' for d, n in per.items())}; {st['max_new_tokens']} new tokens each; "
+            f"{rounds} SSD rounds in all (batched rounds count once per call)")
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 4.4), squeeze=False,
+                             sharey=True)
+    for ax, (d, m) in zip(axes[0], groups):
+        sel = [r for r in rows if r["dataset"] == d and r["mode"] == m]
+        sizes = sorted({r["batch_size"] for r in sel})
+        for k, (method, label) in enumerate((("target_batched", "target's own batched generate"),
+                                             ("ssd", "SSD (SSDConfig())"))):
+            by = {r["batch_size"]: r["tokens_per_second"] for r in sel if r["method"] == method}
+            ax.bar([i + k * 0.4 for i in range(len(sizes))], [by.get(b, 0) for b in sizes], 0.4, label=label)
+        ax.set_xticks([i + 0.2 for i in range(len(sizes))], [str(b) for b in sizes])
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("tokens / s (all rows)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{d} · {m}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Batched throughput\n({size})", fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def _save(fig, path: Path) -> str:

@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gammas", type=_int_list, default=None,
                        help=f"SSD / tuned-assisted draft lengths (default {_ints(BENCH_QUICK['gammas'])}; "
                             f"{_ints(BENCH_FULL['gammas'])} with --full)")
+    bench.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", type=_int_list, default=[1],
+                       metavar="B[,B...]",
+                       help="prompts per generate call, comma-separated (e.g. 1,4,16): the bench's methods (AR, "
+                            "assisted, SSD variants) run when 1 is among them; each B > 1 runs the target's own batched generate and SSDConfig() (hf_ssd's batched "
+                            "loop) over the same prompts in batches of B, left-padded, and reports their dataset "
+                            "throughput, SSD / target batched, and the options SSD chose")
     bench.add_argument("--out", default="bench_out", help="output directory")
     bench.add_argument("--seed", type=int, default=0, help="seed for prompt selection and sampling")
     bench.add_argument("--chat", choices=("auto", "always", "never"), default="auto",
@@ -349,13 +355,15 @@ def cmd_bench(args) -> int:
     bad_modes = [m for m in setting["modes"] if m not in ("greedy", "sample")]
     if bad_modes or not setting["modes"]:
         raise SystemExit(f"hf-ssd: --modes takes greedy and/or sample, got {setting['modes']}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise SystemExit(f"hf-ssd: --batch-sizes takes batch sizes of at least 1, got {args.batch_sizes}")
     target, draft, tokenizer = load_models(args)
     max_prompt = args.max_prompt_tokens or (128 if args.tiny else None)
     results = run_bench(
         target, draft, tokenizer, datasets=args.datasets, out_dir=args.out, num_prompts=setting["num_prompts"],
         max_new_tokens=setting["max_new_tokens"], modes=tuple(setting["modes"]), gammas=tuple(setting["gammas"]),
         ssd_options=options, seed=args.seed, chat=args.chat, max_prompt_tokens=max_prompt,
-        progress=not args.no_progress,
+        progress=not args.no_progress, batch_sizes=tuple(args.batch_sizes),
     )
     from pathlib import Path
 
@@ -407,7 +415,10 @@ def _add_eval_parser(sub) -> None:
                          "{role, content} lists is used as is)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N rows (default: all)")
     ev.add_argument("--out", default="eval_out", help="output directory (rerun with the same one to resume)")
-    ev.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (only 1 for now)")
+    ev.add_argument("--batch-size", type=int, default=1,
+                    help="examples per generate call, left-padded (ssd: hf_ssd's batched loop; ar: the target's own "
+                         "batched generate; sd: 1 only). Greedy completions are the same at any batch size, so a "
+                         "run may resume at another one; a kill loses at most the batch in flight")
     ev.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per example")
     ev.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     ev.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
@@ -473,13 +484,9 @@ def cmd_eval(args) -> int:
     from ..bench.runner import torch_threads
     from ..bench.scoring import ScoringError, check_metric
 
-    if args.batch_size != 1:
-        raise SystemExit(f"hf-ssd: --batch-size {args.batch_size}: batched SSD is not available yet (SSD, like "
-                         "transformers' assisted generation, generates one sequence per call). Use --batch-size 1; "
-                         "for throughput run data-parallel processes: accelerate launch --num_processes N -m "
-                         "hf_ssd.cli eval ...")
     options = ssd_options(args) if args.method == "ssd" else {}
     try:
+        ev.check_batch_size(args.batch_size, args.method)  # before anything is written or loaded
         SSDConfig(**options)
         data = ev.load_data(args.data, args.field, args.split, args.limit)
         ev.check_prompts(data, args.chat)
@@ -491,6 +498,12 @@ def cmd_eval(args) -> int:
         raise SystemExit(f"hf-ssd: {err}") from err
     state = _eval_state(args)
     models = _eval_models(args)
+    # The batch size is not among the settings: greedy completions are identical at every batch size (each row is
+    # exact: SSD's batched loop per row, the target's own batched generate on left-padded rows), so a run may be
+    # resumed, or extended, at another --batch-size without mixing different results. (In float16/bfloat16 a
+    # batched kernel may round differently from a one-row one and flip a near-tie, as in any batched generate.
+    # Sampled completions follow the same distribution at any batch size; their draws depend on the batches, see
+    # hf_ssd/bench/eval.py.)
     settings = ev.eval_settings(data, models, generation, args.method, options, args.chat)
     lock = store.exclusive(Path(args.out)) if state.is_main_process else contextlib.nullcontext()
     try:
@@ -508,7 +521,8 @@ def cmd_eval(args) -> int:
                 summary = ev.evaluate_dataset(
                     target, draft, tokenizer, data, args.out, chat=args.chat, max_new_tokens=args.max_new_tokens,
                     do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, method=args.method, ssd_options=options, models=models, metric=args.metric,
+                    seed=args.seed, method=args.method, ssd_options=options, batch_size=args.batch_size,
+                    models=models, metric=args.metric,
                     reference_field=args.reference_field, allow_code_execution=args.allow_code_execution,
                     progress=not args.no_progress, state=state)
     except (ev.EvalError, store.StoreError, ScoringError) as err:
