@@ -185,7 +185,7 @@ def test_batched_stats_say_what_ran(pair):
                           ssd_config=CONFIGS["sd_g3"], return_dict_in_generate=True)
     stats = out.ssd_stats
     assert stats is hf_ssd.last_stats(target) and stats.layout == "batch"
-    assert set(stats.options) == {"ar", "sd(g=3)"}  # the prefill round, then SD
+    assert set(stats.options) == {"prefill", "sd(g=3)"}  # the target's prompt prefill, then SD
     assert stats.wall_time > 0 and stats.tokens_per_second > 0
 
 

@@ -64,6 +64,7 @@ class Round:
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    prefill: bool = False  # the first round: the target's prompt prefill alone
 
 
 def batch_options(config) -> tuple[list[Option], Option]:
@@ -128,8 +129,8 @@ class _Processing:
 
 
 def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
-    """One target forward: each row's unverified tokens (right-aligned) then its candidates. Returns (logits
-    [rows, G + 1, V] at the last unverified token and at every candidate position, G, tokens fed per row)."""
+    """3. One target forward: each row's unverified tokens (right-aligned) then its candidates. Returns (logits
+    [rows, G + 1, V] at the last unverified token and at every candidate position, tokens fed per row)."""
     pending = [row.real[row.target_fed:] for row in rows]
     wp, g = max(len(p) for p in pending), max(len(c) for c in candidates)
     ids = torch.full((len(rows), wp + g), pad, dtype=torch.long)
@@ -140,7 +141,7 @@ def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], p
         ids[i, lo:hi] = torch.tensor(p + c)
         valid[i, lo:hi] = 1
         pos[i, lo:hi] = torch.arange(row.target_fed, row.target_fed + len(p) + len(c))
-    return target.forward(ids, valid, pos, keep_last=g + 1), g, [len(p) for p in pending]
+    return target.forward(ids, valid, pos, keep_last=g + 1), [len(p) for p in pending]
 
 
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -162,60 +163,19 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         r.done = r not in live
     first = True
     while live:
-        # 1. Schedule.
         scheduler = plan.scheduler(len(live))
-        if first:  # the target's prompt prefill, alone: it yields each row's first token
-            option, prediction, explored = Option("ar"), None, False
-        else:
-            with scheduler.costs.lock:
-                option, prediction, explored = scheduler.decide()
-        gamma = option.gamma if option.kind == "sd" else 0
-        rnd = Round(option, prediction, explored, [max(0, min(gamma, max_length - len(r.ids) - 1)) for r in live])
+        rnd = _schedule(scheduler, live, first, max_length)
         t0 = time.perf_counter()
-        # 2. Propose.
-        if max(rnd.limits) > 0:
-            rnd.candidates, rnd.q = drafter.propose(live, rnd.limits)
-        else:
-            rnd.candidates, rnd.q = [[] for _ in live], [None] * len(live)
+        _propose(drafter, live, rnd)
         t1 = time.perf_counter()
-        # 3. Verify.
-        logits, g, fed = _verify(target, live, rnd.candidates, pad)
-        scores = process(live, rnd.candidates, logits)
-        # 4. Accept.
-        new_tokens = []
-        for c, q, s in zip(rnd.candidates, rnd.q, scores):
-            if do_sample:
-                k, bonus = accept_sampled(torch.softmax(s, dim=-1), q, c)
-            else:
-                k, bonus = accept_greedy(s.argmax(-1).tolist(), c)
-            rnd.accepted.append(k)
-            new_tokens.append(c[:k] + [bonus])
-        t2 = time.perf_counter()
-        rnd.draft_s, rnd.verify_s = t1 - t0, t2 - t1
-        target.keep(g, torch.arange(g)[None, :] < torch.tensor(rnd.accepted)[:, None])
-        drafter.commit(live, rnd.accepted)
-        appended = 0
-        for row, f, k, toks in zip(live, fed, rnd.accepted, new_tokens):
-            row.target_fed += f + k
-            for t in toks:  # one by one through the stopping criteria, as the target alone would stop
-                row.ids.append(t)
-                row.real.append(t)
-                row.new += 1
-                appended += 1
-                if bool(stopping_criteria(torch.tensor([row.ids], device=input_ids.device), None)[0]):
-                    row.done = True
-                    break
+        logits, fed = _verify(target, live, rnd.candidates, pad)
+        new_tokens = _accept(rnd, process(live, rnd.candidates, logits), do_sample)
+        rnd.draft_s, rnd.verify_s = t1 - t0, time.perf_counter() - t1
+        _commit(target, drafter, live, rnd, fed)
+        appended = _advance(live, new_tokens, stopping_criteria, input_ids.device)
         _measure(scheduler, stats, rnd, live, appended, first)
         first = False
-        # Finished rows leave the batch.
-        keep = [i for i, r in enumerate(live) if not r.done]
-        if len(keep) < len(live):
-            live = [live[i] for i in keep]
-            if live:
-                target.select(keep)
-                drafter.kv.select(keep)
-        target.maybe_compact()
-        drafter.kv.maybe_compact()
+        live = _leave(live, target, drafter)
     stats.rows = [r.stats() for r in rows]
     stats.draft_forwards = drafter.kv.forwards
     width = max(len(r.ids) for r in rows)
@@ -224,6 +184,77 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def _schedule(scheduler: Scheduler, live: list[Row], first: bool, max_length: int) -> Round:
+    """1. The round's option (AR or SD at some gamma) and each row's candidate budget (the length it has left)."""
+    if first:  # the target's prompt prefill, alone: it yields each row's first token
+        option, prediction, explored = Option("ar"), None, False
+    else:
+        with scheduler.costs.lock:
+            option, prediction, explored = scheduler.decide()
+    gamma = option.gamma if option.kind == "sd" else 0
+    return Round(option, prediction, explored, [max(0, min(gamma, max_length - len(r.ids) - 1)) for r in live],
+                 prefill=first)
+
+
+def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
+    """2. The draft's candidates for every row (none in an AR round)."""
+    if max(rnd.limits) > 0:
+        rnd.candidates, rnd.q = drafter.propose(live, rnd.limits)
+    else:
+        rnd.candidates, rnd.q = [[] for _ in live], [None] * len(live)
+
+
+def _accept(rnd: Round, scores: list[torch.Tensor], do_sample: bool) -> list[list[int]]:
+    """4. Per row: the accepted candidates and the bonus (greedy matching or speculative sampling)."""
+    new_tokens = []
+    for c, q, s in zip(rnd.candidates, rnd.q, scores):
+        if do_sample:
+            k, bonus = accept_sampled(torch.softmax(s, dim=-1), q, c)
+        else:
+            k, bonus = accept_greedy(s.argmax(-1).tolist(), c)
+        rnd.accepted.append(k)
+        new_tokens.append(c[:k] + [bonus])
+    return new_tokens
+
+
+def _commit(target: RaggedCache, drafter: BatchDrafter, live: list[Row], rnd: Round, fed: list[int]) -> None:
+    """Both caches keep each row's accepted candidates only; the bonus is fed next round."""
+    g = max(len(c) for c in rnd.candidates)
+    target.keep(g, torch.arange(g)[None, :] < torch.tensor(rnd.accepted)[:, None])
+    drafter.commit(live, rnd.accepted)
+    for row, f, k in zip(live, fed, rnd.accepted):
+        row.target_fed += f + k
+
+
+def _advance(live: list[Row], new_tokens: list[list[int]], stopping_criteria, device) -> int:
+    """Each row's new tokens, one by one through the stopping criteria, as the target alone would stop (a row
+    may stop within its accepted candidates). Returns the tokens appended."""
+    appended = 0
+    for row, tokens in zip(live, new_tokens):
+        for t in tokens:
+            row.ids.append(t)
+            row.real.append(t)
+            row.new += 1
+            appended += 1
+            if bool(stopping_criteria(torch.tensor([row.ids], device=device), None)[0]):
+                row.done = True
+                break
+    return appended
+
+
+def _leave(live: list[Row], target: RaggedCache, drafter: BatchDrafter) -> list[Row]:
+    """Finished rows leave the batch (and both caches); masked columns are dropped when they pile up."""
+    keep = [i for i, r in enumerate(live) if not r.done]
+    if len(keep) < len(live):
+        live = [live[i] for i in keep]
+        if live:
+            target.select(keep)
+            drafter.kv.select(keep)
+    target.maybe_compact()
+    drafter.kv.maybe_compact()
+    return live
 
 
 def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tokens: int, first: bool) -> None:
@@ -247,7 +278,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
         row.rounds += 1
         row.proposed += len(c)
         row.accepted += k
-    stats.add_round(rnd.option.name, seconds, rnd.prediction, rnd.explored)
+    stats.add_round("prefill" if rnd.prefill else rnd.option.name, seconds, rnd.prediction, rnd.explored)
     stats.rounds += 1
     stats.proposed_tokens += sum(len(c) for c in rnd.candidates)
     stats.accepted_tokens += sum(rnd.accepted)
