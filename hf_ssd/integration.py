@@ -138,9 +138,13 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     hooks = kwargs.pop("_ssd_hooks", None)
     _validate_call(model, draft, args, kwargs)
     layout = resolve_layout(config.layout, model, draft)
+    rows = _batch_size(args, kwargs)
+    if rows > 1 and config.fallback == "ngram":
+        raise SSDUsageError(f"fallback='ngram' serves one prompt at a time; for this batch of {rows} use "
+                            "fallback='sd', 'short' or 'ar' (or leave it unset).")
     probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
-    if _batch_size(args, kwargs) > 1:
-        return _batched_generate(model, draft, config, args, kwargs, start)
+    if rows > 1:
+        return _batched_generate(model, draft, config, args, kwargs, start, layout, hooks)
     call = {"model": model, "config": config, "layout": layout, "hooks": hooks, "generator": None,
             "cpu_threads": None}
     if getattr(_active, "call", None) is not None:
@@ -191,12 +195,13 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     return out
 
 
-def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: float):
+def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: float, layout: str, hooks):
     """B > 1: hf_ssd's own loop (batch/loop.py) as transformers' `custom_generate`; transformers prepares the
     inputs, processors and stopping criteria, and the loop runs AR or plain SD rounds over all rows."""
     stats = SSDStats(layout="batch", schedule=config.schedule, draft_path="batched")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "assistant_tokenizer")}
-    decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats)
+    decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats,
+                               ssd_layout=layout, ssd_hooks=hooks)
     stats.setup_time = time.perf_counter() - start
     with draft_matmul(draft, config.draft_matmul, model):
         out = type(model).generate(model, *args, custom_generate=decode, **kwargs)

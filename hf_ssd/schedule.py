@@ -130,8 +130,10 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
 
 class Scheduler:
     def __init__(self, config, costs: CostModel, options: list[Option], default: Option, inline: bool,
-                 deferred_record: bool = False):
+                 deferred_record: bool = False, rows: int = 1):
         self.config = config
+        # Rows of a batch (batch/loop.py): a round runs the miss fallback if any row misses.
+        self.rows = rows
         # Jobs feed the last candidate in their first tree step (generator, "the last candidate"): branches of
         # the outcome k = g then start a step after the others.
         self.deferred_record = deferred_record and not inline
@@ -220,7 +222,25 @@ class Scheduler:
     def miss_fallback(self, option: Option) -> int:
         """`fallback_length` for a miss of an SSD round of this option, as the model predicts it."""
         terms = self._hit_terms(option, None)
+        if self.rows > 1:
+            return 0 if terms is None else self._batch_fallback(option.gamma, None, terms)
         return option.gamma if terms is None else self.fallback_length(option.gamma, None, terms.rate)
+
+    def _batch_fallback(self, gamma: int, alpha: float | None, terms: HitTerms) -> int:
+        """The miss fallback's draft length in a batch of `rows` rows: a round drafts it when any row missed, so
+        every row waits for it; n = 0 (a missed row takes its one token; the next job catches its draft up)
+        often yields the most tokens per second."""
+        p, any_miss = terms.p_hit, 1.0 - terms.p_hit**self.rows
+        best_n, best = 0, None
+        for n in range(gamma + 1):
+            t = self.costs.draft_time(n) if n else 0.0
+            if t is None:
+                break
+            rate = ((p * terms.e_hit + (1.0 - p) * self._expected(n, alpha))
+                    / max(1e-9, terms.verify + terms.overhead + any_miss * t))
+            if best is None or rate > best:
+                best_n, best = n, rate
+        return best_n
 
     def _hit_terms(self, option: Option, alpha: float | None) -> HitTerms | None:
         """The hit round of an SSD option (`HitTerms`), or None before its verify time is measured."""
@@ -274,12 +294,16 @@ class Scheduler:
         terms = self._hit_terms(option, a)
         if terms is None:
             return None
-        fb = self._fallback(g, a, terms.rate)
+        if self.rows > 1 and self.auto_fallback:
+            n = self._batch_fallback(g, a, terms)
+            fb = (self._expected(n, a), self.costs.draft_time(n) if n else 0.0)
+        else:
+            fb = self._fallback(g, a, terms.rate)
         if fb is None:
             return None
         p = terms.p_hit
         tokens = p * terms.e_hit + (1.0 - p) * fb[0]
-        seconds = terms.verify + terms.overhead + (1.0 - p) * fb[1]
+        seconds = terms.verify + terms.overhead + (1.0 - p**self.rows) * fb[1]  # rows = 1: (1 - p)
         return Prediction(tokens, seconds)
 
     def best(self, predictions: dict | None = None) -> tuple[Option, Prediction | None]:

@@ -22,11 +22,24 @@ from hf_ssd import SSDConfig, SSDUsageError
 
 NEW = 20
 QUIET = {"hit_rate_warning": 0.0}
+
+
+
+def only(kind: str):
+    """An `_ssd_hooks` option filter: the scheduler may pick only options of this kind."""
+    return {"options": lambda options: [o for o in options if o.kind == kind]}
+
+
+# name -> (config, hooks): the scheduler's choice; plain SD at fixed gammas; overlapped SSD (inline: the job runs
+# to its end, so hits do not depend on timing; thread: it races the verify) at 1, 2 and 4 branches per row.
 CONFIGS = {
-    "auto": SSDConfig(**QUIET),
-    "sd_g1": SSDConfig(gamma=1, schedule="fixed", **QUIET),
-    "sd_g3": SSDConfig(gamma=3, schedule="fixed", **QUIET),
-    "sd_g6": SSDConfig(gamma=6, schedule="fixed", **QUIET),
+    "auto": (SSDConfig(**QUIET), None),
+    "sd_g1": (SSDConfig(gamma=1, **QUIET), only("sd")),
+    "sd_g3": (SSDConfig(gamma=3, **QUIET), only("sd")),
+    "sd_g6": (SSDConfig(gamma=6, **QUIET), only("sd")),
+    "ssd_g3_b1": (SSDConfig(gamma=3, schedule="fixed", layout="inline", **QUIET), None),
+    "ssd_g4_b4": (SSDConfig(gamma=4, fanout_budget=4, schedule="fixed", layout="inline", **QUIET), None),
+    "ssd_g2_b2_thread": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="thread", **QUIET), None),
 }
 
 
@@ -55,12 +68,13 @@ def lengths_for(b: int, seed: int) -> list[int]:
     return torch.randint(2, 10, (b,), generator=g).tolist()
 
 
-def assert_rows_exact(target, draft, ids, mask, config, batched_reference: bool = True, **kw):
+def assert_rows_exact(target, draft, ids, mask, name, batched_reference: bool = True, **kw):
     """Identical to the target's own batched generate, and each row to the row alone. (`batched_reference`
     False: eager attention, whose own padded batches compute NaN states for padding and so garbage for padded
     rows; hf_ssd prefills each row alone and stays exact there.)"""
+    config, hooks = CONFIGS[name]
     out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                          ssd_config=config, **kw)
+                          ssd_config=config, _ssd_hooks=hooks, **kw)
     if batched_reference:
         want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **kw)
         assert out.shape == want.shape and torch.equal(out, want), (out, want)
@@ -81,11 +95,13 @@ def test_greedy_rows_identical_to_target(pair, b, name):
     target, close, noisy = pair
     for seed, draft in enumerate((close, noisy)):
         ids, mask = padded_batch(lengths_for(b, seed), seed)
-        stats = assert_rows_exact(target, draft, ids, mask, CONFIGS[name])
+        stats = assert_rows_exact(target, draft, ids, mask, name)
         assert stats.batch_size == b and len(stats.rows) == b
         assert stats.new_tokens == sum(r["new_tokens"] for r in stats.rows) == b * NEW
         if name != "auto":
             assert stats.proposed_tokens > 0 and 0 < stats.accepted_tokens < stats.proposed_tokens
+        if name.startswith("ssd") and "thread" not in name and draft is close:
+            assert stats.cache_hits > 0 and stats.cache_misses > 0, (stats.cache_hits, stats.cache_misses)
 
 
 def test_rows_ending_early_at_eos(pair):
@@ -96,8 +112,8 @@ def test_rows_ending_early_at_eos(pair):
     plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)[:, ids.shape[1]:]
     counts = torch.bincount(plain.flatten(), minlength=96)
     eos = int(counts.argmax())
-    for name in ("sd_g3", "sd_g6", "auto"):
-        stats = assert_rows_exact(target, close, ids, mask, CONFIGS[name], eos_token_id=eos)
+    for name in ("sd_g3", "sd_g6", "ssd_g3_b1", "ssd_g4_b4", "auto"):
+        stats = assert_rows_exact(target, close, ids, mask, name, eos_token_id=eos)
         ends = [r["new_tokens"] for r in stats.rows]
         assert min(ends) < NEW and len(set(ends)) > 1, ends
 
@@ -117,7 +133,8 @@ def test_compaction_keeps_rows_exact(pair, monkeypatch):
     monkeypatch.setattr(ragged.RaggedCache, "maybe_compact", counting)
     target, _, noisy = pair
     ids, mask = padded_batch(lengths_for(8, 5), 5)
-    assert_rows_exact(target, noisy, ids, mask, CONFIGS["sd_g3"])
+    assert_rows_exact(target, noisy, ids, mask, "sd_g3")
+    assert_rows_exact(target, noisy, ids, mask, "ssd_g4_b4")
     assert sum(calls) > 0, "nothing was compacted"
 
 
@@ -129,10 +146,12 @@ def test_families_batched(family, attn):
     target = hf_ssd.enable(build(family, attn=attn))
     draft = noisy_copy(target, 0.01)
     ids, mask = padded_batch([6, 3, 5], 7, vocab=90)
-    assert_rows_exact(target, draft, ids, mask, CONFIGS["sd_g3"], batched_reference=attn == "sdpa")
+    for name in ("sd_g3", "ssd_g3_b1"):
+        assert_rows_exact(target, draft, ids, mask, name, batched_reference=attn == "sdpa")
 
 
-def test_sampling_rows_match_target_distribution():
+@pytest.mark.parametrize("name", ["sd_g2", "ssd_g2_b2"])
+def test_sampling_rows_match_target_distribution(name):
     """Two prompts (different acceptance), each twice in a batch of 4: every row's samples follow the target's
     exact distribution (false-fail rate < 1e-4 per prompt, as in tests/test_sampling.py)."""
     target, draft = sampling_pair()
@@ -148,18 +167,23 @@ def test_sampling_rows_match_target_distribution():
         finally:
             test_sampling.PROMPT = saved
     ids = torch.tensor([prompts[0], prompts[1], prompts[0], prompts[1]])
-    config = SSDConfig(gamma=2, schedule="fixed", **QUIET)
+    config, hooks = {
+        "sd_g2": (SSDConfig(gamma=2, **QUIET), only("sd")),
+        "ssd_g2_b2": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="inline", **QUIET), None),
+    }[name]
     torch.manual_seed(4321)
     samples: list[list[tuple]] = [[], []]
-    proposed = accepted = 0
+    proposed = accepted = hits = 0
     for _ in range(N // 2):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=L, assistant_model=draft,
-                              ssd_config=config, **GEN)
+                              ssd_config=config, _ssd_hooks=hooks, **GEN)
         for i in range(4):
             samples[i % 2].append(tuple(out[i, 2:].tolist()))
         stats = hf_ssd.last_stats(target)
         proposed, accepted = proposed + stats.proposed_tokens, accepted + stats.accepted_tokens
+        hits += stats.cache_hits
     assert 0 < accepted < proposed  # both paths: accepted candidates and rejections (residual draws)
+    assert (hits > 0) == name.startswith("ssd")  # SSD: candidates from pre-drafted branches too
     for p, s, joint in zip(prompts, samples, joints):
         assert_matches_target(s, joint, f"prompt {p}")
 
@@ -174,18 +198,20 @@ def test_pipeline_with_batch_size_matches_plain_pipeline(pair):
     plain = tf.pipeline("text-generation", model=target, tokenizer=tok)
     prompts = ["abc", "hello there", "x", "zzzz yy", "q r s t u"]
     want = plain(prompts, batch_size=4, max_new_tokens=12, do_sample=False)
-    got = pipe(prompts, batch_size=4, max_new_tokens=12, do_sample=False, ssd_config=CONFIGS["sd_g3"])
+    got = pipe(prompts, batch_size=4, max_new_tokens=12, do_sample=False, ssd_config=SSDConfig(**QUIET))
     assert got == want
 
 
 def test_batched_stats_say_what_ran(pair):
     target, close, _ = pair
     ids, mask = padded_batch([4, 6], 9)
+    config, hooks = CONFIGS["sd_g3"]
     out = target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=NEW,
-                          ssd_config=CONFIGS["sd_g3"], return_dict_in_generate=True)
+                          ssd_config=config, _ssd_hooks=hooks, return_dict_in_generate=True)
     stats = out.ssd_stats
     assert stats is hf_ssd.last_stats(target) and stats.layout == "batch"
-    assert set(stats.options) == {"ar", "sd(g=3)"}  # the prefill round, then SD
+    assert set(stats.options) == {"prefill", "sd(g=3)"}  # the target's prompt prefill, then SD
+    assert stats.lookups == 0  # no speculation ran
     assert stats.wall_time > 0 and stats.tokens_per_second > 0
 
 
@@ -200,3 +226,20 @@ def test_batched_refusals(pair, kw, phrase):
     with pytest.raises(SSDUsageError, match=phrase):
         target.generate(ids, attention_mask=mask, assistant_model=close, max_new_tokens=4, ssd_config=SSDConfig(),
                         **kw)
+
+
+def test_speculation_with_an_identical_draft_hits_nearly_always(pair):
+    """An exact copy of the target as draft: every candidate is accepted and the predicted outcome (all
+    accepted, the draft's own next token) is the real one, so nearly every lookup hits. Fails when a branch's
+    draft state (positions, masks, the tokens it fed) is not the row's."""
+    target, _, _ = pair
+    same = noisy_copy(target, 0.0)
+    ids, mask = padded_batch(lengths_for(6, 8), 8)
+    for budget in (1, 3):
+        config = SSDConfig(gamma=3, fanout_budget=budget, schedule="fixed", layout="inline", **QUIET)
+        out = target.generate(ids, attention_mask=mask, assistant_model=same, do_sample=False, max_new_tokens=NEW,
+                              ssd_config=config)
+        assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW))
+        stats = hf_ssd.last_stats(target)
+        assert stats.acceptance_rate == 1.0
+        assert stats.cache_hits >= 0.8 * stats.lookups > 0, (stats.cache_hits, stats.lookups)

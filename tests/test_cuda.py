@@ -376,3 +376,24 @@ def test_graphs_under_inference_mode(gpu_target, speculators):
         assert out.tolist() == ref.tolist()
         assert hf_ssd.last_stats(gpu_target).draft_path == "static+graphs"
     assert_shut_down(speculators)
+
+
+# ----- batched calls (hf_ssd/batch/) ----------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["auto", "fixed"])
+def test_batched_rows_identical_to_target_on_cuda(gpu_target, gpu_drafts, schedule):
+    """A left-padded batch of 4 on the GPU: each row is what the target alone generates (float64 models)."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [6, 3, 5, 2]
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, 6 - n:] = torch.randint(2, 96, (n,), generator=g)
+        mask[i, 6 - n:] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+    config = SSDConfig(gamma=3, schedule=schedule, hit_rate_warning=0.0)
+    out = gpu_target.generate(ids, attention_mask=mask, assistant_model=gpu_drafts["close"], do_sample=False,
+                              max_new_tokens=NEW, ssd_config=config)
+    for i, n in enumerate(lengths):
+        alone = gpu_target.generate(ids[i : i + 1, 6 - n:], do_sample=False, max_new_tokens=NEW)[0, n:]
+        assert out[i, 6 : 6 + alone.numel()].tolist() == alone.tolist(), i
+    assert hf_ssd.last_stats(gpu_target).batch_size == 4

@@ -1,4 +1,9 @@
-"""The draft model over the live rows of a batch: per drafted position one batched forward for all rows."""
+"""The draft model over the live rows of a batch: per drafted position one batched forward for all rows.
+
+Columns the draft fed for this round's candidates carry a tag (candidate j: tag j) until verification says how
+many each row keeps (`RaggedCache.settle`). Each drafted position also records the draft's top tokens, from
+which the speculator predicts the round's outcomes (speculate.py).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from .ragged import RaggedCache
 
 
 class BatchDrafter:
-    def __init__(self, model, out_vocab: int, do_sample: bool, processors, pad: int):
+    def __init__(self, model, out_vocab: int, do_sample: bool, processors, pad: int, top_k: int = 8):
         own = model.config.get_text_config().vocab_size
         self.kv = RaggedCache(model, out_vocab=min(own, out_vocab))
         self.vocab = out_vocab  # the target's: q rows are compared with the target's p
@@ -20,10 +25,9 @@ class BatchDrafter:
         # distribution (still exact: q is whatever the candidates were drawn from).
         self.processors = procs if procs and all(type(p).__name__ in CONTEXT_FREE for p in procs) else None
         self.pad = pad
-        self._drafted = 0  # draft columns of the last `propose`, after its feed block
-        self._fed: list[int] = []  # tokens of each row that block fed
+        self.top_k = top_k
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] < self.vocab:
             logits = torch.nn.functional.pad(logits, (0, self.vocab - logits.shape[-1]), value=float("-inf"))
         if self.processors is not None:
@@ -32,42 +36,98 @@ class BatchDrafter:
                 logits = p(ids, logits)
         return torch.softmax(logits, dim=-1)
 
+    def choose(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(probs, 1)[:, 0] if self.do_sample else probs.argmax(-1)
+
+    def tops(self, probs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        values, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+        values, ids = values.cpu(), ids.cpu()
+        return [(values[i], ids[i]) for i in range(probs.shape[0])]
+
     def propose(self, rows, n: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Up to n[i] candidates for row i (all rows draft max(n) tokens; a row keeps its first n[i]), and when
-        sampling the distribution each was drawn from ([n[i], V] per row)."""
+        """Up to n[i] candidates for row i; rows with n[i] = 0 take no part (their columns are masked filler).
+
+        All taking part draft max(n) tokens and keep their first n[i]; per row it records the tokens fed as
+        confirmed (`draft_feed`), the candidate columns fed (`tagged`), the draft's top tokens at every position
+        it drafted (`tops`), and when sampling returns the distribution each candidate was drawn from."""
         steps = max(n)
-        feeds = [row.real[row.draft_fed:] for row in rows]
+        active = [k > 0 for k in n]
+        feeds = [row.real[row.draft_fed:] if a else [] for row, a in zip(rows, active)]
         width = max(len(f) for f in feeds)
         ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.long)
         pos = torch.zeros(len(rows), width, dtype=torch.long)
         for i, (row, feed) in enumerate(zip(rows, feeds)):  # right-aligned: every row's last column is real
-            ids[i, width - len(feed):] = torch.tensor(feed)
-            valid[i, width - len(feed):] = 1
-            pos[i, width - len(feed):] = torch.arange(row.draft_fed, row.draft_fed + len(feed))
-        nxt = pos[:, -1:] + 1
+            if feed:
+                ids[i, width - len(feed):] = torch.tensor(feed)
+                valid[i, width - len(feed):] = 1
+                pos[i, width - len(feed):] = torch.arange(row.draft_fed, row.draft_fed + len(feed))
+        nxt = torch.tensor([[len(row.real)] for row in rows])
+        on = torch.tensor(active, dtype=torch.long)[:, None]
         logits = self.kv.forward(ids, valid, pos, keep_last=1)[:, -1]
-        tokens, dists = [], []
+        tokens, dists, tops = [], [], []
         for j in range(steps):
-            probs = self._probs(logits)
-            token = torch.multinomial(probs, 1)[:, 0] if self.do_sample else probs.argmax(-1)
+            probs = self.probs(logits)
+            token = self.choose(probs)
             tokens.append(token)
+            tops.append(self.tops(probs))
             if self.do_sample:
                 dists.append(probs)
             if j == steps - 1:
-                break  # the last candidate is fed next round, if it is accepted
-            logits = self.kv.forward(token[:, None], torch.ones(len(rows), 1), nxt + j, keep_last=1)[:, -1]
-        self._drafted, self._fed = max(0, steps - 1), [len(f) for f in feeds]
+                break  # the last candidate is fed by the speculator, or next round if it is accepted
+            logits = self.kv.forward(token[:, None], on, nxt + j, keep_last=1, tag=j + 1)[:, -1]
         drafted = torch.stack(tokens, dim=1).tolist()
-        q = [torch.stack([d[i] for d in dists])[: n[i]] if self.do_sample and n[i] else None for i in range(len(rows))]
-        return [drafted[i][: n[i]] for i in range(len(rows))], q
+        out, q = [], []
+        for i, row in enumerate(rows):
+            if not active[i]:
+                out.append([])
+                q.append(None)
+                continue
+            row.draft_feed, row.tagged = len(feeds[i]), steps - 1
+            row.tops = [t[i] for t in tops[: n[i]]] + ([tops[n[i]][i]] if n[i] < steps else [None])
+            out.append(drafted[i][: n[i]])
+            q.append(torch.stack([d[i] for d in dists])[: n[i]] if self.do_sample else None)
+        return out, q
+
+    def catch_up(self, rows, candidates: list[list[int]]) -> None:
+        """Feed what each row's draft has not seen yet (tokens since it last drafted, a last candidate), so that
+        its distribution after the row's last token is known: the bonus candidates of the outcome k = n."""
+        feeds, lengths = [], []
+        for row, c in zip(rows, candidates):
+            unfed = row.real[row.draft_fed + row.draft_feed:]
+            missing = c[row.tagged:] if c and row.tops[len(c)] is None else []
+            feeds.append((unfed, missing))
+            lengths.append(len(unfed) + len(missing))
+        width = max(lengths)
+        if width == 0:
+            return
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.long)
+        pos = torch.zeros(len(rows), width, dtype=torch.long)
+        tags = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (row, (unfed, missing), n) in enumerate(zip(rows, feeds, lengths)):
+            if n:
+                lo = width - n
+                start = row.draft_fed + row.draft_feed
+                ids[i, lo:] = torch.tensor(unfed + missing)
+                valid[i, lo:] = 1
+                end = len(row.real) + row.tagged  # missing candidates come after the ones fed
+                pos[i, lo:] = torch.cat([torch.arange(start, len(row.real)), torch.arange(end, end + len(missing))])
+                tags[i, lo + len(unfed):] = torch.arange(row.tagged + 1, row.tagged + 1 + len(missing))
+        tops = self.tops(self.probs(self.kv.forward(ids, valid, pos, keep_last=1, tag=tags)[:, -1]))
+        for i, (row, c, (unfed, missing), n) in enumerate(zip(rows, candidates, feeds, lengths)):
+            if n:
+                row.draft_feed += len(unfed)
+                row.tagged += len(missing)
+                if not c:
+                    row.tops = [tops[i]]
+                else:
+                    row.tops[len(c)] = tops[i]
 
     def commit(self, rows, accepted: list[int]) -> None:
-        """After verification: row i keeps its drafted columns up to its accepted count k (candidate j was fed at
-        drafted column j - 1; the last one never was)."""
-        if self._drafted:
-            cols = torch.arange(self._drafted)
-            self.kv.keep(self._drafted, cols[None, :] < torch.tensor(accepted)[:, None])
-        for row, f, k in zip(rows, self._fed, accepted):
-            row.draft_fed += f + min(k, self._drafted)
-        self._drafted, self._fed = 0, []
+        """After verification: row i keeps the candidate columns it accepted (tags <= k); what it kept is
+        confirmed, the next round feeds the rest of its tokens."""
+        self.kv.settle(torch.tensor(accepted))
+        for row, k in zip(rows, accepted):
+            row.draft_fed += row.draft_feed + min(k, row.tagged)
+            row.draft_feed = row.tagged = 0

@@ -3,11 +3,15 @@
 transformers prepares the generation config, logits processors, stopping criteria and the attention mask, then
 calls `decode`. Each round, for the rows still generating:
 
-1. schedule: AR or plain SD at some gamma, from costs measured at this batch size (`BatchPlan`);
-2. propose: the draft's candidates for every row, one batched draft forward per position (`BatchDrafter`);
-3. verify: one target forward over all rows (each row's unverified tokens and its candidates);
-4. accept: per row, greedy matching or speculative sampling (`accept.py`), then the row's new tokens one by one
-   through the stopping criteria; finished rows leave the batch.
+1. schedule: AR, plain SD or overlapped SSD at some gamma (and fan-out budget per row), chosen from costs
+   measured at this batch size (`BatchPlan`); the next round's option is chosen before this round's verify;
+2. propose: a row whose outcome the speculator predicted (a hit) takes its pre-drafted branch; the others draft
+   now, in one batched draft forward per position (`BatchDrafter`; after an SSD miss, the fallback length);
+3. speculate: if the next round is SSD, a background job pre-drafts it for every row's likeliest outcomes while
+   the target verifies (speculate.py);
+4. verify: one target forward over all rows (each row's unverified token and its candidates);
+5. accept: per row, greedy matching or speculative sampling (`accept.py`); the rows' new tokens go one by one
+   through the stopping criteria; hit rows adopt their branch's draft state; finished rows leave the batch.
 
 Rows accept different counts: both caches are `RaggedCache`s (rejected columns masked, explicit positions), so
 every row computes what it would compute alone. The output is padded as transformers pads a batch.
@@ -24,11 +28,16 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..costs import cost_model_for
 from ..drafter import CONTEXT_FREE
-from ..schedule import AUTO_GAMMAS, Option, Scheduler
+from ..outcomes import Outcome
+from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler
+from ..speculator import Speculator
 from ..stats import SSDStats
 from .accept import accept_greedy, accept_sampled
 from .draft import BatchDrafter
 from .ragged import RaggedCache
+from .speculate import Branch, Tree, speculate
+
+BATCH_BUDGETS = tuple(b for b in AUTO_BUDGETS if b <= 4)  # branches per row: a batch multiplies them
 
 
 @dataclass
@@ -45,6 +54,12 @@ class Row:
     rounds: int = 0
     new: int = 0
     done: bool = False
+    # Draft-side state of the round (draft.py): tokens fed as confirmed, candidate columns fed, the draft's top
+    # tokens at each candidate position (and after the last); a hit's branch, ready for the next round.
+    draft_feed: int = 0
+    tagged: int = 0
+    tops: list = field(default_factory=list)
+    ready: Branch | None = None
 
     def stats(self) -> dict:
         return {"index": self.index, "new_tokens": self.new, "rounds": self.rounds, "proposed": self.proposed,
@@ -64,34 +79,57 @@ class Round:
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    prefill: bool = False  # the first round: the target's prompt prefill alone
+    hits: list[bool] = field(default_factory=list)  # per row: its candidates came from a pre-drafted branch
+    job: Option | None = None  # the option of the next round, pre-drafted during this one's verify
+    tree: Tree | None = None
+    job_predicted: list[float] = field(default_factory=list)  # per row: P(its outcome is pre-drafted)
+    bonus: list[int] = field(default_factory=list)
+    found: list = field(default_factory=list)  # per row: the index of its branch in the tree, or None
+    overhead_s: float = 0.0  # critical-path time of the job beyond the verify (collecting, adopting)
 
 
-def batch_options(config) -> tuple[list[Option], Option]:
-    """(options, default): AR and plain SD; a set gamma is kept, schedule="fixed" runs SD at gamma only."""
-    default = Option("sd", config.gamma)
+def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option], Option]:
+    """(options, default) for batches: AR, plain SD and SSD at 1-4 branches per row; explicit settings are
+    constraints as for one prompt (schedule="fixed": SSD at the configured gamma and budget; a fan-out budget
+    or a layout set: SSD only; gamma set: that gamma)."""
+    default = Option("ssd", config.gamma, fixed_budget)
     if config.schedule == "fixed":
-        return [default], default
-    gammas = (config.gamma,) if config.is_set("gamma") else AUTO_GAMMAS
-    return [Option("ar")] + [Option("sd", g) for g in gammas], default
+        options = [default]
+    else:
+        gammas = (config.gamma,) if config.is_set("gamma") else AUTO_GAMMAS
+        budgets = (fixed_budget,) if config.is_set("fanout_budget") else BATCH_BUDGETS
+        options = [Option("ssd", g, b) for b in budgets for g in gammas]
+        if not (config.is_set("fanout_budget") or config.is_set("layout")):
+            options = [Option("ar")] + [Option("sd", g) for g in gammas] + options
+        default = Option("sd", config.gamma) if Option("sd", config.gamma) in options else options[0]
+    if "options" in hooks:  # tests and tooling restrict the choice
+        options = list(hooks["options"](options)) or options
+        default = default if default in options else options[0]
+    return options, default
 
 
 class BatchPlan:
     """The scheduler of each batch size in use (live rows rounded up to a power of two), over the pair's cost
     estimates at that size: a batched verify costs more per row on CPU cores than on an idle accelerator."""
 
-    def __init__(self, target, draft, config, do_sample: bool):
+    def __init__(self, target, draft, config, do_sample: bool, layout: str, hooks: dict, top_k: int):
         self.target, self.draft, self.config, self.do_sample = target, draft, config, do_sample
-        self.options, self.default = batch_options(config)
+        self.layout, self.top_k = layout, top_k
+        fixed_budget, _ = config.resolved_budget(draft.device.type == "cuda")
+        self.options, self.default = batch_options(config, fixed_budget, hooks)
         self._schedulers: dict[int, Scheduler] = {}
 
     def scheduler(self, rows: int) -> Scheduler:
         size = 1 << max(0, math.ceil(math.log2(max(rows, 1))))
         if size not in self._schedulers:
-            costs = cost_model_for(self.target, self.draft, self.draft.device, f"batch{size}", self.do_sample, 2,
-                                   self.config.initial_acceptance, self.config.draft_matmul)
+            costs = cost_model_for(self.target, self.draft, self.draft.device, f"batch{size}:{self.layout}",
+                                   self.do_sample, self.top_k, self.config.initial_acceptance,
+                                   self.config.draft_matmul)
             with costs.lock:
                 costs.new_call()
-            self._schedulers[size] = Scheduler(self.config, costs, self.options, self.default, inline=True)
+            self._schedulers[size] = Scheduler(self.config, costs, self.options, self.default,
+                                               inline=self.layout == "inline", rows=size)
         return self._schedulers[size]
 
 
@@ -128,8 +166,8 @@ class _Processing:
 
 
 def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
-    """One target forward: each row's unverified tokens (right-aligned) then its candidates. Returns (logits
-    [rows, G + 1, V] at the last unverified token and at every candidate position, G, tokens fed per row)."""
+    """3. One target forward: each row's unverified tokens (right-aligned) then its candidates. Returns (logits
+    [rows, G + 1, V] at the last unverified token and at every candidate position, tokens fed per row)."""
     pending = [row.real[row.target_fed:] for row in rows]
     wp, g = max(len(p) for p in pending), max(len(c) for c in candidates)
     ids = torch.full((len(rows), wp + g), pad, dtype=torch.long)
@@ -140,19 +178,22 @@ def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], p
         ids[i, lo:hi] = torch.tensor(p + c)
         valid[i, lo:hi] = 1
         pos[i, lo:hi] = torch.arange(row.target_fed, row.target_fed + len(p) + len(c))
-    return target.forward(ids, valid, pos, keep_last=g + 1), g, [len(p) for p in pending]
+    return target.forward(ids, valid, pos, keep_last=g + 1), [len(p) for p in pending]
 
 
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-           streamer=None, *, ssd_draft, ssd_config, ssd_stats: SSDStats, **model_kwargs):
+           streamer=None, *, ssd_draft, ssd_config, ssd_stats: SSDStats, ssd_layout: str = "thread",
+           ssd_hooks: dict | None = None, **model_kwargs):
     """The `custom_generate` callable of batched calls (see the module docstring)."""
     do_sample = bool(generation_config.do_sample)
     pad = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
-    vocab = model.config.get_text_config().vocab_size
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
     target = RaggedCache(model)
-    drafter = BatchDrafter(ssd_draft, vocab, do_sample, logits_processor, pad)
-    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample)
+    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=9)
+    drafter = BatchDrafter(ssd_draft, model.config.get_text_config().vocab_size, do_sample, logits_processor, pad,
+                           top_k=plan.top_k)
     process = _Processing(logits_processor)
     max_length = generation_config.max_length
     stats = ssd_stats
@@ -160,62 +201,41 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     live = [r for r in rows if len(r.ids) < max_length]
     for r in rows:
         r.done = r not in live
-    first = True
-    while live:
-        # 1. Schedule.
-        scheduler = plan.scheduler(len(live))
-        if first:  # the target's prompt prefill, alone: it yields each row's first token
-            option, prediction, explored = Option("ar"), None, False
-        else:
-            with scheduler.costs.lock:
-                option, prediction, explored = scheduler.decide()
-        gamma = option.gamma if option.kind == "sd" else 0
-        rnd = Round(option, prediction, explored, [max(0, min(gamma, max_length - len(r.ids) - 1)) for r in live])
-        t0 = time.perf_counter()
-        # 2. Propose.
-        if max(rnd.limits) > 0:
-            rnd.candidates, rnd.q = drafter.propose(live, rnd.limits)
-        else:
-            rnd.candidates, rnd.q = [[] for _ in live], [None] * len(live)
-        t1 = time.perf_counter()
-        # 3. Verify.
-        logits, g, fed = _verify(target, live, rnd.candidates, pad)
-        scores = process(live, rnd.candidates, logits)
-        # 4. Accept.
-        new_tokens = []
-        for c, q, s in zip(rnd.candidates, rnd.q, scores):
-            if do_sample:
-                k, bonus = accept_sampled(torch.softmax(s, dim=-1), q, c)
-            else:
-                k, bonus = accept_greedy(s.argmax(-1).tolist(), c)
-            rnd.accepted.append(k)
-            new_tokens.append(c[:k] + [bonus])
-        t2 = time.perf_counter()
-        rnd.draft_s, rnd.verify_s = t1 - t0, t2 - t1
-        target.keep(g, torch.arange(g)[None, :] < torch.tensor(rnd.accepted)[:, None])
-        drafter.commit(live, rnd.accepted)
-        appended = 0
-        for row, f, k, toks in zip(live, fed, rnd.accepted, new_tokens):
-            row.target_fed += f + k
-            for t in toks:  # one by one through the stopping criteria, as the target alone would stop
-                row.ids.append(t)
-                row.real.append(t)
-                row.new += 1
-                appended += 1
-                if bool(stopping_criteria(torch.tensor([row.ids], device=input_ids.device), None)[0]):
-                    row.done = True
-                    break
-        _measure(scheduler, stats, rnd, live, appended, first)
-        first = False
-        # Finished rows leave the batch.
-        keep = [i for i, r in enumerate(live) if not r.done]
-        if len(keep) < len(live):
-            live = [live[i] for i in keep]
-            if live:
-                target.select(keep)
-                drafter.kv.select(keep)
-        target.maybe_compact()
-        drafter.kv.maybe_compact()
+    # On one GPU the job's draft work goes on its own CUDA stream (so does the caller's, `on_critical_path`).
+    speculator = Speculator(ssd_layout if ssd_layout in ("inline", "stream") else "thread", device=ssd_draft.device)
+    inference = torch.is_inference_mode_enabled()  # the job's thread runs in the caller's mode
+
+    def allowed(row: Row, o: Outcome) -> bool:  # an outcome worth a branch: the row goes on after it
+        return o.bonus not in eos and len(row.ids) + o.accepted + 2 < max_length
+
+    first, nxt = True, None
+    try:
+        while live:
+            scheduler = plan.scheduler(len(live))
+            rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
+            t0 = time.perf_counter()
+            with speculator.on_critical_path():
+                _propose(drafter, live, rnd)
+            t1 = time.perf_counter()
+            nxt = None if first else _decide(scheduler)
+            if nxt is not None and nxt[0].kind == "ssd":
+                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference)
+            t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
+            logits, fed = _verify(target, live, rnd.candidates, pad)
+            new_tokens = _accept(rnd, process(live, rnd.candidates, logits), do_sample)
+            t3 = time.perf_counter()
+            speculator.collect()  # the job stops at its next step; its error is raised here
+            _commit(target, drafter, live, rnd, fed)
+            appended = _advance(live, new_tokens, stopping_criteria, input_ids.device)
+            with speculator.on_critical_path():
+                _adopt(drafter, live, rnd)
+            rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
+            rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3)
+            _measure(scheduler, stats, rnd, live, appended, first)
+            first = False
+            live = _leave(live, target, drafter)
+    finally:
+        speculator.close()  # background work never outlives the call
     stats.rows = [r.stats() for r in rows]
     stats.draft_forwards = drafter.kv.forwards
     width = max(len(r.ids) for r in rows)
@@ -226,28 +246,220 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     return sequences
 
 
+def _decide(scheduler: Scheduler) -> Option:
+    with scheduler.costs.lock:
+        return scheduler.decide()
+
+
+def _schedule(scheduler: Scheduler, live: list[Row], first: bool, decided, max_length: int, config) -> Round:
+    """1. The round's option and each row's candidate budget: its branch if it has one, else what the option
+    drafts now (an SSD round drafts the miss fallback's length), never past the length left."""
+    if first:  # the target's prompt prefill, alone: it yields each row's first token
+        option, prediction, explored = Option("ar"), None, False
+    elif decided is not None:
+        option, prediction, explored = decided
+    else:
+        option, prediction, explored = _decide(scheduler)
+    if option.kind == "ar":
+        now = 0
+    elif option.kind == "sd":
+        now = option.gamma
+    else:
+        now = _fallback_length(scheduler, option, config)
+    limits, hits = [], []
+    for r in live:
+        left = max(0, max_length - len(r.ids) - 1)
+        branch = r.ready if option.kind == "ssd" else None
+        hits.append(branch is not None and left > 0)
+        limits.append(min(len(branch.tokens) if hits[-1] else now, option.gamma, left))
+    return Round(option, prediction, explored, limits, prefill=first, hits=hits)
+
+
+def _fallback_length(scheduler: Scheduler, option: Option, config) -> int:
+    """Candidates an SSD round drafts now for a row without a branch (a miss, or the first SSD round)."""
+    if scheduler.auto_fallback:
+        with scheduler.costs.lock:
+            return scheduler.miss_fallback(option)
+    if config.fallback == "ar":
+        return 0
+    if config.fallback == "short":
+        return min(option.gamma, config.effective_fallback_gamma)
+    return option.gamma
+
+
+def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
+    """2. Candidates for every row: a hit's pre-drafted branch, or the draft's tokens now."""
+    draw = [0 if hit else n for hit, n in zip(rnd.hits, rnd.limits)]
+    if max(draw, default=0) > 0:
+        rnd.candidates, rnd.q = drafter.propose(live, draw)
+    else:
+        rnd.candidates, rnd.q = [[] for _ in live], [None] * len(live)
+    for i, (row, hit, n) in enumerate(zip(live, rnd.hits, rnd.limits)):
+        if not hit and not draw[i]:
+            row.tops = []  # nothing drafted for this row this round
+        if hit:
+            b = row.ready
+            rnd.candidates[i] = b.tokens[:n]
+            rnd.q[i] = torch.stack(b.q[:n]) if b.q else None
+            row.tops = list(b.tops[:n]) + [b.tops[n] if n < len(b.tops) else None]
+            row.tagged, row.draft_feed = len(b.tokens) - 1, 0
+        row.ready = None
+
+
+def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, option: Option,
+            scheduler: Scheduler, allowed, inference: bool) -> None:
+    """3. The next round's branches, pre-drafted while the target verifies this one."""
+    rnd.job, rnd.tree = option, Tree()
+    with scheduler.costs.lock:
+        alpha = scheduler.costs.acceptance
+        rnd.job_predicted = [scheduler.hit_rate(option.budget, len(c), alpha, calibrated=False)
+                             for c in rnd.candidates]
+    candidates = [list(c) for c in rnd.candidates]
+
+    def job(should_stop):
+        with torch.inference_mode(inference):
+            speculate(drafter, live, candidates, option.gamma, option.budget, alpha, allowed, rnd.tree,
+                      should_stop)
+
+    speculator.submit(job)
+
+
+def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
+    """4. One target forward: each row's unverified tokens (right-aligned) then its candidates. Returns (logits
+    [rows, G + 1, V] at the last unverified token and at every candidate position, tokens fed per row)."""
+    pending = [row.real[row.target_fed:] for row in rows]
+    wp, g = max(len(p) for p in pending), max(len(c) for c in candidates)
+    ids = torch.full((len(rows), wp + g), pad, dtype=torch.long)
+    valid = torch.zeros(len(rows), wp + g, dtype=torch.long)
+    pos = torch.zeros(len(rows), wp + g, dtype=torch.long)
+    tags = torch.zeros(len(rows), wp + g, dtype=torch.long)
+    for i, (row, p, c) in enumerate(zip(rows, pending, candidates)):
+        lo, hi = wp - len(p), wp + len(c)
+        ids[i, lo:hi] = torch.tensor(p + c)
+        valid[i, lo:hi] = 1
+        pos[i, lo:hi] = torch.arange(row.target_fed, row.target_fed + len(p) + len(c))
+        tags[i, wp:hi] = torch.arange(1, len(c) + 1)
+    return target.forward(ids, valid, pos, keep_last=g + 1, tag=tags), [len(p) for p in pending]
+
+
+def _accept(rnd: Round, scores: list[torch.Tensor], do_sample: bool) -> list[list[int]]:
+    """5. Per row: the accepted candidates and the bonus (greedy matching or speculative sampling)."""
+    new_tokens = []
+    for c, q, s in zip(rnd.candidates, rnd.q, scores):
+        if do_sample:
+            k, bonus = accept_sampled(torch.softmax(s, dim=-1), q, c)
+        else:
+            k, bonus = accept_greedy(s.argmax(-1).tolist(), c)
+        rnd.accepted.append(k)
+        rnd.bonus.append(bonus)
+        new_tokens.append(c[:k] + [bonus])
+    return new_tokens
+
+
+def _commit(target: RaggedCache, drafter: BatchDrafter, live: list[Row], rnd: Round, fed: list[int]) -> None:
+    """Both caches keep each row's accepted candidates only; the bonus is fed next round."""
+    accepted = torch.tensor(rnd.accepted)
+    target.settle(accepted)
+    drafter.commit(live, rnd.accepted)
+    for row, f, k in zip(live, fed, rnd.accepted):
+        row.target_fed += f + k
+
+
+def _advance(live: list[Row], new_tokens: list[list[int]], stopping_criteria, device) -> int:
+    """Each row's new tokens, one by one through the stopping criteria, as the target alone would stop (a row
+    may stop within its accepted candidates). Returns the tokens appended."""
+    appended = 0
+    for row, tokens in zip(live, new_tokens):
+        for t in tokens:
+            row.ids.append(t)
+            row.real.append(t)
+            row.new += 1
+            appended += 1
+            if bool(stopping_criteria(torch.tensor([row.ids], device=device), None)[0]):
+                row.done = True
+                break
+    return appended
+
+
+def _adopt(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
+    """Rows whose outcome the job pre-drafted take that branch: its draft state becomes the row's, its tokens the
+    next round's candidates."""
+    tree = rnd.tree
+    rnd.found = [None] * len(live)
+    if tree is None or tree.cache is None:
+        return
+    sources = []
+    for i, (row, k, bonus) in enumerate(zip(live, rnd.accepted, rnd.bonus)):
+        b = tree.lookup(i, k, bonus) if not row.done else None
+        rnd.found[i] = b
+        sources.append((tree.cache, b) if b is not None else (drafter.kv, i))
+    if any(b is not None for b in rnd.found):
+        drafter.kv = drafter.kv.gather(sources)
+        for row, b in zip(live, rnd.found):
+            if b is not None:
+                branch = tree.branches[b]
+                row.ready = branch
+                row.draft_fed = len(row.real)  # the branch fed the row's whole new context (bonus included)
+
+
+def _leave(live: list[Row], target: RaggedCache, drafter: BatchDrafter) -> list[Row]:
+    """Finished rows leave the batch (and both caches); masked columns are dropped when they pile up."""
+    keep = [i for i, r in enumerate(live) if not r.done]
+    if len(keep) < len(live):
+        live = [live[i] for i in keep]
+        if live:
+            target.select(keep)
+            drafter.kv.select(keep)
+    target.maybe_compact()
+    drafter.kv.maybe_compact()
+    return live
+
+
 def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tokens: int, first: bool) -> None:
-    """The round's costs and acceptance into the pair's estimates at this batch size, and into the stats."""
+    """The round's costs, acceptance and the job's hits into the pair's estimates at this batch size, and into
+    the stats."""
     costs = scheduler.costs
     n = max(len(c) for c in rnd.candidates)
-    seconds = rnd.draft_s + rnd.verify_s
+    drafted_now = max((len(c) for c, hit in zip(rnd.candidates, rnd.hits) if not hit), default=0)
+    seconds = rnd.draft_s + rnd.verify_s + rnd.overhead_s
+    job = rnd.job
     with costs.lock:
         if not first:  # the first round's forwards include both prompts' prefill
-            if n:
-                costs.add_draft(n, rnd.draft_s)
-            costs.add_verify(n, rnd.verify_s, None)
+            if drafted_now:
+                costs.add_draft(drafted_now, rnd.draft_s)
+            costs.add_verify(n, rnd.verify_s, job.budget if job is not None and not scheduler.inline else None)
             model = scheduler.model(rnd.option)
             if model is not None:
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
-        for c, k in zip(rnd.candidates, rnd.accepted):
+        for row, c, k, bonus in zip(live, rnd.candidates, rnd.accepted, rnd.bonus):
             costs.add_acceptance(k, len(c))
             costs.add_positions(k, len(c))
+            if k < len(row.tops) and row.tops[k] is not None:  # where the bonus ranked among the draft's tops
+                excluded = c[k] if k < len(c) else None
+                ids = [t for t in row.tops[k][1].tolist() if t != excluded]
+                costs.add_rank(ids.index(bonus) if bonus in ids else None)
+        if job is not None:
+            tree = rnd.tree
+            if tree.record_s is not None:
+                costs.add_record(tree.record_s)
+            for width, step_s in tree.steps:
+                costs.add_tree_step(max(1, round(width / len(live))), step_s)
+            costs.add_overhead(job.budget, rnd.overhead_s)
+            for found, predicted in zip(rnd.found, rnd.job_predicted):
+                costs.add_lookup(job.budget, found is not None, predicted)
         costs.add_round()
     for row, c, k in zip(live, rnd.candidates, rnd.accepted):
         row.rounds += 1
         row.proposed += len(c)
         row.accepted += k
-    stats.add_round(rnd.option.name, seconds, rnd.prediction, rnd.explored)
+    if job is not None:
+        for found, predicted in zip(rnd.found, rnd.job_predicted):
+            stats.add_lookup(predicted, found is not None)
+            stats.cache_hits += found is not None
+            stats.cache_misses += found is None
+        stats.branches_drafted += len(rnd.tree.branches)
+        stats.outcomes_predicted += len(rnd.tree.branches)
+    stats.add_round("prefill" if rnd.prefill else rnd.option.name, seconds, rnd.prediction, rnd.explored)
     stats.rounds += 1
     stats.proposed_tokens += sum(len(c) for c in rnd.candidates)
     stats.accepted_tokens += sum(rnd.accepted)

@@ -9,6 +9,8 @@ right end (RoPE is already applied to cached keys, so moving a column changes no
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -32,6 +34,9 @@ class RaggedCache:
         self.out_vocab = out_vocab
         self.cache = new_cache()
         self.mask: torch.Tensor | None = None  # [rows, columns] long: 1 where the row attends
+        # [rows, columns] long: j >= 1 where a column holds this round's candidate j (the row keeps it only if it
+        # accepts j: `settle`), 0 for confirmed columns.
+        self.tag: torch.Tensor | None = None
         self.forwards = 0
         # A sliding window counts columns, not positions: such a model needs each row's attended columns
         # contiguous (compacted after every round that masked some), or its windows would reach too far back.
@@ -46,17 +51,23 @@ class RaggedCache:
         return 0 if self.mask is None else self.mask.shape[1]
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, keep_last: int) -> torch.Tensor:
-        """Append a block ([rows, W] ids, valid flags, positions); float logits of its last `keep_last` columns."""
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, keep_last: int,
+                tag: int | torch.Tensor = 0) -> torch.Tensor:
+        """Append a block ([rows, W] ids, valid flags, positions, candidate tags); float logits of its last
+        `keep_last` columns."""
         valid = valid.to(device=self.device, dtype=torch.long)
+        tags = (torch.zeros_like(valid) + torch.as_tensor(tag, device=self.device)) * valid
         ids = ids.to(self.device)
         if self.in_vocab is not None:
             ids = ids.masked_fill(ids >= self.in_vocab, 0)
         if self.mask is None and not bool(valid.all()):
-            return self._prefill(ids, valid, keep_last)
-        self.mask = valid if self.mask is None else torch.cat([self.mask, valid], dim=1)
-        out = self._model(ids, self.mask, positions.to(self.device), self.cache, keep_last)
-        return out.logits[:, -keep_last:].float()
+            logits = self._prefill(ids, valid, keep_last)
+        else:
+            self.mask = valid if self.mask is None else torch.cat([self.mask, valid], dim=1)
+            logits = self._model(ids, self.mask, positions.to(self.device), self.cache, keep_last).logits
+            logits = logits[:, -keep_last:].float()
+        self.tag = tags if self.tag is None else torch.cat([self.tag, tags], dim=1)
+        return logits
 
     def _model(self, ids, mask, positions, cache, keep_last: int):
         kwargs = {self._cache_kw: cache}
@@ -96,10 +107,40 @@ class RaggedCache:
         self.mask = valid
         return torch.cat(logits)
 
-    def keep(self, last: int, keep: torch.Tensor) -> None:
-        """Of the last `last` columns, each row keeps attending only where `keep` ([rows, last] bool) is set."""
-        if last:
-            self.mask[:, -last:] &= keep.to(device=self.device, dtype=torch.long)
+    def settle(self, accepted: torch.Tensor) -> None:
+        """Verification done: row i keeps the candidate columns it accepted (tags <= accepted[i]); all confirmed."""
+        if self.mask is None:
+            return
+        self.mask = self.mask.masked_fill(self.tag > accepted.to(self.device)[:, None], 0)
+        self.tag = torch.zeros_like(self.tag)
+
+    def gather(self, sources: list[tuple[RaggedCache, int]]) -> RaggedCache:
+        """A new cache (of this model) whose row r is row sources[r][1] of cache sources[r][0]; narrower caches'
+        rows are right-padded with masked columns. Used to copy rows for speculation and to adopt them."""
+        caches = list({id(c): c for c, _ in sources}.values())
+        width = max(c.columns for c in caches)
+        base = {id(c): 0 for c in caches}
+        at = 0
+        for c in caches:
+            base[id(c)] = at
+            at += c.mask.shape[0]
+        index = torch.tensor([base[id(c)] + r for c, r in sources], device=self.device)
+
+        def stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+            pads = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, width - t.shape[dim]))
+                    for t in tensors]
+            return torch.cat(pads)[index]
+
+        out = copy.copy(self)
+        out.cache = new_cache()
+        for i, layer in enumerate(self.cache.layers):
+            if holds_tensors(layer):
+                keys = stack([c.cache.layers[i].keys for c in caches], 2)
+                values = stack([c.cache.layers[i].values for c in caches], 2)
+                out.cache.update(keys, values, i)
+        out.mask = stack([c.mask for c in caches], 1)
+        out.tag = stack([c.tag for c in caches], 1)
+        return out
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows stop costing work)."""
@@ -108,7 +149,7 @@ class RaggedCache:
             if holds_tensors(layer):
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         if self.mask is not None:
-            self.mask = self.mask[index]
+            self.mask, self.tag = self.mask[index], self.tag[index]
 
     def maybe_compact(self) -> None:
         """Drop masked columns once they are a large share of the cache (memory and attention time), or at once
@@ -133,3 +174,4 @@ class RaggedCache:
                 layer.values = layer.values.gather(
                     2, base.expand(*layer.values.shape[:2], need, layer.values.shape[-1]))
         self.mask = self.mask.gather(1, order)
+        self.tag = self.tag.gather(1, order)
