@@ -139,9 +139,8 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     _validate_call(model, draft, args, kwargs)
     layout = resolve_layout(config.layout, model, draft)
     rows = _batch_size(args, kwargs)
-    if rows > 1 and config.fallback == "ngram":
-        raise SSDUsageError(f"fallback='ngram' serves one prompt at a time; for this batch of {rows} use "
-                            "fallback='sd', 'short' or 'ar' (or leave it unset).")
+    if rows > 1:
+        _check_batch_config(config, rows)
     probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
     if rows > 1:
         return _batched_generate(model, draft, config, args, kwargs, start, layout, hooks)
@@ -307,6 +306,29 @@ def _validate_call(model, draft, args, kwargs) -> None:
         raise SSDUsageError(
             f"Draft and target disagree on the end-of-sequence token (draft {sorted(d_eos)}, target "
             f"{sorted(t_eos)}): they do not share a tokenizer. Pick a draft of the same model family."
+        )
+
+
+# SSDConfig fields that only single-prompt calls use (the speculation cache, deeper pipelines, the static
+# draft path, Saguaro sampling, ...), with their defaults: a batch refuses other values rather than ignore them.
+_ONE_PROMPT_ONLY = {"pipeline_depth": 1, "saguaro_c": None, "max_outcomes": None, "cache_size": 64,
+                    "eviction": "probability", "static_draft": None, "cuda_graphs": None, "record_timeline": False,
+                    "cpu_threads": None}
+
+
+def _check_batch_config(config: SSDConfig, rows: int) -> None:
+    odd = [f"{name}={getattr(config, name)!r}" for name, default in _ONE_PROMPT_ONLY.items()
+           if getattr(config, name) != default]
+    if isinstance(config.fanout, list):
+        odd.append("fanout=[...] (a list)")
+    if config.fallback == "ngram":
+        odd.append("fallback='ngram'")
+    if odd:
+        raise SSDUsageError(
+            f"{', '.join(odd)}: {'this setting serves' if len(odd) == 1 else 'these settings serve'} one prompt at "
+            f"a time, and this call has a batch of {rows}. Leave {'it' if len(odd) == 1 else 'them'} at the default "
+            "for batches (gamma, fanout_budget, fallback 'sd'/'short'/'ar', layout and schedule apply), or "
+            "generate the prompts one at a time."
         )
 
 

@@ -243,3 +243,17 @@ def test_speculation_with_an_identical_draft_hits_nearly_always(pair):
         stats = hf_ssd.last_stats(target)
         assert stats.acceptance_rate == 1.0
         assert stats.cache_hits >= 0.8 * stats.lookups > 0, (stats.cache_hits, stats.lookups)
+
+
+@pytest.mark.parametrize(("kw", "phrase"), [
+    ({"pipeline_depth": 2}, "pipeline_depth=2: this setting serves one prompt at a time"),
+    ({"saguaro_c": 0.5, "cache_size": 8}, "saguaro_c=0.5, cache_size=8: these settings serve one prompt"),
+    ({"fallback": "ngram"}, "fallback='ngram': this setting serves one prompt"),
+])
+def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):
+    target, close, _ = pair
+    ids, mask = padded_batch([4, 6], 9)
+    with pytest.raises(SSDUsageError, match=phrase):
+        target.generate(ids, attention_mask=mask, assistant_model=close, max_new_tokens=4,
+                        ssd_config=SSDConfig(**kw))
+    target.generate(ids[:1], assistant_model=close, max_new_tokens=4, ssd_config=SSDConfig(**kw, **QUIET))
