@@ -373,12 +373,14 @@ def test_batched_summary_counts_each_batch_once(batched):
 
 
 def test_batched_rows_carry_their_own_acceptance(data, tmp_path, reference):
-    """Fixed SD at gamma 3 (deterministic rounds): each result line holds its own row of the batch's stats."""
+    """Fixed SSD at gamma 3, inline (the job runs to its end: deterministic rounds): each result line holds its
+    own row of the batch's stats."""
     import hf_ssd
     from hf_ssd.bench.batched import left_pad
 
     ids, _ = reference
-    argv = eval_args(data, tmp_path / "o", "--batch-size", "8", "--schedule", "fixed", "--gamma", "3")
+    argv = eval_args(data, tmp_path / "o", "--batch-size", "8", "--schedule", "fixed", "--gamma", "3",
+                     "--layout", "inline")
     assert main(argv) == 0
     got = records(tmp_path / "o")
     assert [r["completion_ids"] for r in got] == ids
@@ -386,7 +388,7 @@ def test_batched_rows_carry_their_own_acceptance(data, tmp_path, reference):
     hf_ssd.enable(target)
     input_ids, mask = left_pad([tok(p).input_ids for p in PROMPTS], tok.pad_token_id, "cpu")
     target.generate(input_ids, attention_mask=mask, assistant_model=draft, max_new_tokens=MAX_NEW, do_sample=False,
-                    ssd_config=hf_ssd.SSDConfig(gamma=3, schedule="fixed", hit_rate_warning=0.0))
+                    ssd_config=hf_ssd.SSDConfig(gamma=3, schedule="fixed", layout="inline", hit_rate_warning=0.0))
     rows = hf_ssd.last_stats(target).rows
     assert [(r["rounds"], r["proposed_tokens"], r["accepted_tokens"]) for r in got] == \
         [(w["rounds"], w["proposed"], w["accepted"]) for w in rows]
@@ -443,10 +445,11 @@ def test_a_failed_batch_loses_only_itself_and_the_run_resumes_at_another_size(da
     assert json.loads((out / "summary.json").read_text())["this_run"]["generated"] == 5
 
 
-@pytest.mark.parametrize("method", [["--method", "ar"], ["--schedule", "fixed", "--gamma", "3"]], ids=["ar", "ssd"])
+@pytest.mark.parametrize("method", [["--method", "ar"], ["--schedule", "fixed", "--gamma", "3", "--layout", "inline"]],
+                         ids=["ar", "ssd"])
 def test_sampled_batches_are_seeded_per_batch(data, tmp_path, method):
-    """Same seed, same batches: the same draws. (SSD at a fixed schedule: with schedule auto the rounds, and so
-    the random numbers each draw uses, follow measured costs.)"""
+    """Same seed, same batches: the same draws. (SSD at a fixed schedule and inline: with schedule auto the
+    rounds, and threaded the hits, and so the random numbers each draw uses, follow measured timings.)"""
     args = ["--do-sample", "--temperature", "1.5", "--seed", "7", "--batch-size", "4", *method]
     assert main(eval_args(data, tmp_path / "a", *args)) == 0
     assert main(eval_args(data, tmp_path / "b", *args)) == 0

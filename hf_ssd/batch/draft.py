@@ -14,7 +14,8 @@ from .ragged import RaggedCache
 
 
 class BatchDrafter:
-    def __init__(self, model, out_vocab: int, do_sample: bool, processors, pad: int, top_k: int = 8):
+    def __init__(self, model, out_vocab: int, do_sample: bool, processors, pad: int, top_k: int = 8,
+                 generator: torch.Generator | None = None):
         own = model.config.get_text_config().vocab_size
         self.kv = RaggedCache(model, out_vocab=min(own, out_vocab))
         self.vocab = out_vocab  # the target's: q rows are compared with the target's p
@@ -26,6 +27,7 @@ class BatchDrafter:
         self.processors = procs if procs and all(type(p).__name__ in CONTEXT_FREE for p in procs) else None
         self.pad = pad
         self.top_k = top_k
+        self.generator = generator  # the draft's own draws (also on the speculator's thread)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] < self.vocab:
@@ -37,7 +39,7 @@ class BatchDrafter:
         return torch.softmax(logits, dim=-1)
 
     def choose(self, probs: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(probs, 1)[:, 0] if self.do_sample else probs.argmax(-1)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0] if self.do_sample else probs.argmax(-1)
 
     def tops(self, probs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         values, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)

@@ -192,8 +192,14 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
     target = RaggedCache(model)
     plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=9)
+    # Sampling: the draft draws from its own generator, seeded from the caller's RNG, so that draws on the
+    # speculator's thread never interleave with the target's on one generator (seeded inline runs repeat).
+    gen = None
+    if do_sample:
+        gen = torch.Generator(device=ssd_draft.device)
+        gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
     drafter = BatchDrafter(ssd_draft, model.config.get_text_config().vocab_size, do_sample, logits_processor, pad,
-                           top_k=plan.top_k)
+                           top_k=plan.top_k, generator=gen)
     process = _Processing(logits_processor)
     max_length = generation_config.max_length
     stats = ssd_stats
