@@ -71,6 +71,8 @@ def parse_args(argv=None):
                         "compute must stay far below the simulated times, and on a busy machine a second thread "
                         "only waits at every barrier)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up call at each B")
+    p.add_argument("--noise", type=float, default=0.01,
+                   help="--tiny/--sim: the draft's weight noise (smaller: a closer draft, higher acceptance)")
     p.add_argument("--target-ms", type=float, default=40.0, help="--sim: milliseconds per target forward")
     p.add_argument("--draft-ms", type=float, default=10.0, help="--sim: milliseconds per draft forward")
     p.add_argument("--device", default="cpu", help="cpu or cuda (real pair)")
@@ -97,8 +99,8 @@ def load(args):
     if args.tiny or args.sim:
         from hf_ssd.models.tiny import tiny_pair
 
-        target, draft, tok = tiny_pair()
-        desc = f"{target.config._name_or_path} / {draft.config._name_or_path}"
+        target, draft, tok = tiny_pair(noise=args.noise)
+        desc = f"{target.config._name_or_path} / {draft.config._name_or_path} (weight noise {args.noise})"
         if args.sim:
             from hf_ssd.models.simulated import DeviceCost, simulate_device
 

@@ -19,6 +19,7 @@ every row computes what it would compute alone. The output is padded as transfor
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from .accept import accept_greedy, accept_sampled
 from .draft import BatchDrafter
 from .ragged import RaggedCache
 from .speculate import Branch, Tree, speculate
+
+logger = logging.getLogger("hf_ssd")
 
 BATCH_BUDGETS = tuple(b for b in AUTO_BUDGETS if b <= 4)  # branches per row: a batch multiplies them
 
@@ -165,22 +168,6 @@ class _Processing:
         return processed
 
 
-def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
-    """3. One target forward: each row's unverified tokens (right-aligned) then its candidates. Returns (logits
-    [rows, G + 1, V] at the last unverified token and at every candidate position, tokens fed per row)."""
-    pending = [row.real[row.target_fed:] for row in rows]
-    wp, g = max(len(p) for p in pending), max(len(c) for c in candidates)
-    ids = torch.full((len(rows), wp + g), pad, dtype=torch.long)
-    valid = torch.zeros(len(rows), wp + g, dtype=torch.long)
-    pos = torch.zeros(len(rows), wp + g, dtype=torch.long)
-    for i, (row, p, c) in enumerate(zip(rows, pending, candidates)):
-        lo, hi = wp - len(p), wp + len(c)
-        ids[i, lo:hi] = torch.tensor(p + c)
-        valid[i, lo:hi] = 1
-        pos[i, lo:hi] = torch.arange(row.target_fed, row.target_fed + len(p) + len(c))
-    return target.forward(ids, valid, pos, keep_last=g + 1), [len(p) for p in pending]
-
-
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
            streamer=None, *, ssd_draft, ssd_config, ssd_stats: SSDStats, ssd_layout: str = "thread",
            ssd_hooks: dict | None = None, **model_kwargs):
@@ -240,8 +227,13 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             _measure(scheduler, stats, rnd, live, appended, first)
             first = False
             live = _leave(live, target, drafter)
-    finally:
-        speculator.close()  # background work never outlives the call
+    except BaseException as err:
+        try:
+            speculator.close()  # background work never outlives the call
+        except BaseException as close_err:  # noqa: BLE001 - the error already propagating is the one to report
+            logger.error("hf_ssd: closing the speculator after %s also failed: %r", type(err).__name__, close_err)
+        raise
+    speculator.close()
     stats.rows = [r.stats() for r in rows]
     stats.draft_forwards = drafter.kv.forwards
     width = max(len(r.ids) for r in rows)
@@ -252,7 +244,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     return sequences
 
 
-def _decide(scheduler: Scheduler) -> Option:
+def _decide(scheduler: Scheduler) -> tuple[Option, object, bool]:
     with scheduler.costs.lock:
         return scheduler.decide()
 
