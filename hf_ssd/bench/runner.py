@@ -195,8 +195,24 @@ class BatchResult:
 BATCHED_METHODS = ("target_batched", "ssd")
 
 
+class _Throughput:
+    """Dataset throughput of a run's calls (`tokens`: new tokens per row, `seconds`: wall time per call)."""
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+
 @dataclass
-class BatchRun:
+class BatchRun(_Throughput):
     """One batched method at one batch size over a dataset: every row's tokens, every call's seconds and stats."""
 
     kind: str
@@ -218,17 +234,6 @@ class BatchRun:
         """B = 1: a method of the bench itself (`ar`, `ssd`), one prompt per call."""
         return cls(kind, 1, list(run.tokens), list(run.seconds), [1] * len(run.tokens), list(run.stats))
 
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(self.seconds)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
 
     def options(self) -> dict:
         """The rounds and round seconds of each option SSD's scheduler ran, over all calls."""
@@ -251,7 +256,7 @@ class BatchRun:
 
 
 @dataclass
-class MethodRun:
+class MethodRun(_Throughput):
     """All calls of one method on one dataset in one decoding mode."""
 
     method: Method
@@ -267,17 +272,6 @@ class MethodRun:
             self.stats.append(r.stats)
             self.intervals.append(r.intervals or Intervals())
 
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(self.seconds)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
 
     def ssd_numbers(self) -> dict:
         """Acceptance, hit rate, bubble ratio and the timing terms of the paper's model, over all prompts."""
