@@ -17,8 +17,10 @@ from test_families import build
 from test_sampling import GEN, L, N, assert_matches_target, exact_joint, sampling_pair
 
 import hf_ssd
+import hf_ssd.batch.loop as loop
 import hf_ssd.batch.ragged as ragged
 from hf_ssd import SSDConfig, SSDUsageError
+from hf_ssd.models.simulated import DeviceCost, simulate_device
 
 NEW = 20
 QUIET = {"hit_rate_warning": 0.0}
@@ -33,7 +35,7 @@ def only(kind: str):
 # name -> (config, hooks): the scheduler's choice; plain SD at fixed gammas; overlapped SSD (inline: the job runs
 # to its end, so hits do not depend on timing; thread: it races the verify) at 1, 2 and 4 branches per row.
 CONFIGS = {
-    "auto": (SSDConfig(**QUIET), None),
+    "auto": (SSDConfig(**QUIET), {"plain": False}),  # the loop's own choice (the plain hand-off: test_plain_*)
     "sd_g1": (SSDConfig(gamma=1, **QUIET), only("sd")),
     "sd_g3": (SSDConfig(gamma=3, **QUIET), only("sd")),
     "sd_g6": (SSDConfig(gamma=6, **QUIET), only("sd")),
@@ -257,3 +259,58 @@ def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):
         target.generate(ids, attention_mask=mask, assistant_model=close, max_new_tokens=4,
                         ssd_config=SSDConfig(**kw))
     target.generate(ids[:1], assistant_model=close, max_new_tokens=4, ssd_config=SSDConfig(**kw, **QUIET))
+
+
+def no_ssd(options):
+    return [o for o in options if o.kind != "ssd"]
+
+
+@pytest.fixture
+def compute_bound_pair():
+    """A simulated device where a verify costs in proportion to its candidates (compute-bound, as these CPU
+    cores at large B) and drafting is slow: AR rounds are the fastest, and the model learns it (SSD left out:
+    on an off-core simulated device its drafting is hidden)."""
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    target.generation_config.eos_token_id = None
+    draft = noisy_copy(target, 0.02)
+    simulate_device(target, DeviceCost(base_s=0.002, per_token_s=0.01))
+    simulate_device(draft, DeviceCost(base_s=0.01))
+    return target, draft
+
+
+def run(target, draft, b: int, seed: int, **kw):
+    ids, mask = padded_batch(lengths_for(b, seed), seed)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=SSDConfig(**QUIET), _ssd_hooks={"options": no_ssd}, **kw)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **kw))
+    return hf_ssd.last_stats(target)
+
+
+def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, monkeypatch):
+    """Once the costs measured at a batch size predict AR rounds fastest, calls at that size (and at larger
+    unmeasured sizes) run the target's own batched decoding, identical to it; every PLAIN_REFRESH-th runs the
+    loop again; each plain step updates the AR estimate."""
+    monkeypatch.setattr(loop, "PLAIN_REFRESH", 2)
+    target, draft = compute_bound_pair
+    first = run(target, draft, 4, 0)
+    assert first.draft_path == "batched" and first.proposed_tokens > 0  # nothing measured yet: the loop explores
+    paths = [run(target, draft, 4, seed).draft_path for seed in range(1, 5)]
+    assert paths == ["plain batched", "plain batched", "batched", "plain batched"], paths
+    bigger = run(target, draft, 8, 5)  # never measured at 8: a smaller size's verdict holds
+    assert bigger.draft_path == "plain batched" and bigger.new_tokens == 8 * NEW
+    assert set(bigger.options) == {"prefill", "plain batched"} and bigger.options["plain batched"]["rounds"] == NEW - 1
+    costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch8:thread"][0]
+    assert costs.rounds_seen == NEW - 1 and 0.01 < costs.verify(0, None) < 0.02  # 12 ms per simulated step
+
+
+def test_plain_decoding_is_not_chosen_where_drafting_pays():
+    """The opposite device: a verify costs the same at any number of candidates (memory-bound) and drafting is
+    cheap, so SD beats AR and every call keeps running the loop."""
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    target.generation_config.eos_token_id = None
+    draft = noisy_copy(target, 0.002)
+    simulate_device(target, DeviceCost(base_s=0.02))
+    simulate_device(draft, DeviceCost(base_s=0.002))
+    for seed in range(4):
+        stats = run(target, draft, 4, seed)
+        assert stats.draft_path == "batched" and stats.proposed_tokens > 0

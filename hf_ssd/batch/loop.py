@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..costs import cost_model_for
+from ..costs import cost_model_for, estimates_of
 from ..drafter import CONTEXT_FREE
 from ..outcomes import Outcome
 from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler
@@ -35,12 +36,16 @@ from ..speculator import Speculator
 from ..stats import SSDStats
 from .accept import accept_greedy, accept_sampled
 from .draft import BatchDrafter
+from .plain import decode_plain
 from .ragged import RaggedCache
 from .speculate import Branch, Tree, speculate
 
 logger = logging.getLogger("hf_ssd")
 
 BATCH_BUDGETS = tuple(b for b in AUTO_BUDGETS if b <= 4)  # branches per row: a batch multiplies them
+PLAIN_MIN_ROUNDS = 8  # rounds measured at a batch size before its estimates may hand a call to plain decoding
+PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
+_PLAIN_STREAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CostModel -> plain calls in a row
 
 
 @dataclass
@@ -124,7 +129,7 @@ class BatchPlan:
         self._schedulers: dict[int, Scheduler] = {}
 
     def scheduler(self, rows: int) -> Scheduler:
-        size = 1 << max(0, math.ceil(math.log2(max(rows, 1))))
+        size = _size(rows)
         if size not in self._schedulers:
             costs = cost_model_for(self.target, self.draft, self.draft.device, f"batch{size}:{self.layout}",
                                    self.do_sample, self.top_k, self.config.initial_acceptance,
@@ -134,6 +139,47 @@ class BatchPlan:
             self._schedulers[size] = Scheduler(self.config, costs, self.options, self.default,
                                                inline=self.layout == "inline", rows=size)
         return self._schedulers[size]
+
+    def plain(self, rows: int) -> bool:
+        """Whether the call runs plain batched decoding (plain.py) instead of the loop: the costs measured at its
+        batch size predict AR rounds faster than every drafting option or, not measured there yet, they did at a
+        smaller batch size on this pair (adding rows only makes a verify more compute-bound). Every
+        PLAIN_REFRESH-th such call runs the loop anyway, so that the drafting estimates follow the machine."""
+        if Option("ar") not in self.options:
+            return False
+        costs = self.scheduler(rows).costs
+        if costs.rounds_seen >= PLAIN_MIN_ROUNDS:
+            plain = _ar_best(self._schedulers[_size(rows)])
+        else:
+            plain = any(_ar_best(s) for s in self._smaller(_size(rows)))
+        with costs.lock:
+            streak = _PLAIN_STREAKS.get(costs, 0) + 1 if plain else 0
+            if streak > PLAIN_REFRESH:
+                streak, plain = 0, False
+            _PLAIN_STREAKS[costs] = streak
+        return plain
+
+    def _smaller(self, size: int) -> list[Scheduler]:
+        """Schedulers over this pair's measured estimates at batch sizes below `size` (2 .. size / 2)."""
+        want = {f"batch{s}:{self.layout}": s for s in (1 << i for i in range(1, size.bit_length() - 1))}
+        found = []
+        for key, costs in estimates_of(self.target, self.draft):
+            if (key[2] in want and key[1] == str(self.draft.device) and key[3:] == (self.do_sample, self.top_k,
+                                                                                   self.config.draft_matmul)
+                    and costs.rounds_seen >= PLAIN_MIN_ROUNDS):
+                found.append(Scheduler(self.config, costs, self.options, self.default,
+                                       inline=self.layout == "inline", rows=want[key[2]]))
+        return found
+
+
+def _size(rows: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(rows, 1))))
+
+
+def _ar_best(scheduler: Scheduler) -> bool:
+    costs = scheduler.costs
+    with costs.lock, costs.frozen():
+        return scheduler.best()[0].kind == "ar"
 
 
 def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Row]:
@@ -177,8 +223,12 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
-    target = RaggedCache(model)
     plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=9)
+    ssd_stats.batch_size = len(rows)
+    if (ssd_hooks or {}).get("plain", True) and plan.plain(len(rows)):
+        return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                            streamer, model_kwargs, plan.scheduler(len(rows)).costs, ssd_stats, eos)
+    target = RaggedCache(model)
     # Sampling: the draft draws from its own generator, seeded from the caller's RNG, so that draws on the
     # speculator's thread never interleave with the target's on one generator (seeded inline runs repeat).
     gen = None
@@ -190,7 +240,6 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     process = _Processing(logits_processor)
     max_length = generation_config.max_length
     stats = ssd_stats
-    stats.batch_size = len(rows)
     live = [r for r in rows if len(r.ids) < max_length]
     for r in rows:
         r.done = r not in live
