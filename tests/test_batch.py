@@ -302,6 +302,20 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
     costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch8:thread"][0]
     assert costs.rounds_seen == NEW - 1 and 0.01 < costs.verify(0, None) < 0.02  # 12 ms per simulated step
 
+    # Sampling: the same seed gives the target's own draws (the hand-off keeps the caller's processors and RNG).
+    sample = {"do_sample": True, "temperature": 0.7, "top_k": 20}
+    ids, mask = padded_batch(lengths_for(4, 6), 6)
+    paths = []
+    for seed in range(3):  # the first call measures the sampling estimates in the loop
+        torch.manual_seed(seed)
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=NEW,
+                              ssd_config=SSDConfig(**QUIET), _ssd_hooks={"options": no_ssd}, **sample)
+        paths.append(hf_ssd.last_stats(target).draft_path)
+        if paths[-1] == "plain batched":
+            torch.manual_seed(seed)
+            assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=NEW, **sample))
+    assert paths[0] == "batched" and "plain batched" in paths, paths
+
 
 def test_plain_decoding_is_not_chosen_where_drafting_pays():
     """The opposite device: a verify costs the same at any number of candidates (memory-bound) and drafting is

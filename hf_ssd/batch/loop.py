@@ -147,9 +147,10 @@ class BatchPlan:
         PLAIN_REFRESH-th such call runs the loop anyway, so that the drafting estimates follow the machine."""
         if Option("ar") not in self.options:
             return False
-        costs = self.scheduler(rows).costs
+        scheduler = self.scheduler(rows)
+        costs = scheduler.costs
         if costs.rounds_seen >= PLAIN_MIN_ROUNDS:
-            plain = _ar_best(self._schedulers[_size(rows)])
+            plain = _ar_best(scheduler)
         else:
             plain = any(_ar_best(s) for s in self._smaller(_size(rows)))
         with costs.lock:

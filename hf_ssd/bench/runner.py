@@ -234,7 +234,6 @@ class BatchRun(_Throughput):
         """B = 1: a method of the bench itself (`ar`, `ssd`), one prompt per call."""
         return cls(kind, 1, list(run.tokens), list(run.seconds), [1] * len(run.tokens), list(run.stats))
 
-
     def options(self) -> dict:
         """The rounds and round seconds of each option SSD's scheduler ran, over all calls."""
         out: dict = {}
@@ -271,7 +270,6 @@ class MethodRun(_Throughput):
         if r.stats is not None:
             self.stats.append(r.stats)
             self.intervals.append(r.intervals or Intervals())
-
 
     def ssd_numbers(self) -> dict:
         """Acceptance, hit rate, bubble ratio and the timing terms of the paper's model, over all prompts."""
