@@ -198,6 +198,10 @@ class CostModel:
     - `confidence_seen[i]` / `confidence_accepted[i]`: a histogram, by the draft's probability of its own top
       token (CONFIDENCE_BINS bins), of drafted positions whose prefix was accepted, and how many of them the
       target accepted; it models the confidence-stopped SD options for any threshold (`confidence_model`).
+    - Batches (batch/loop.py) also keep, per batch size: `plain_step`, a step of plain batched decoding (the
+      target's own loop, plain.py); `loop_speedup`, per loop call, plain's time for its output (its steps at
+      `plain_step`) over the loop's time after the prefill; `draft_prefill(tokens)`, the draft's prompt prefill,
+      which plain decoding never pays; `plain_streak`, plain calls in a row.
     """
 
     def __init__(self, on_gpu: bool, top_k: int, initial_acceptance: float):
@@ -225,6 +229,10 @@ class CostModel:
         self.confidence_seen = [0.0] * CONFIDENCE_BINS
         self.confidence_accepted = [0.0] * CONFIDENCE_BINS
         self.rounds_seen = 0
+        self.plain_step = Ewma(decay=0.95)
+        self.loop_speedup = Ewma(decay=0.7)
+        self.draft_prefill = LinearFit(_proportional)
+        self.plain_streak = 0
         # Per option: decayed sums of (rounds, measured tokens, predicted tokens, measured s, predicted s)
         # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
         # independent per position, costs that are not linear).
@@ -326,6 +334,18 @@ class CostModel:
     @_locked
     def add_tree_step(self, width: int, seconds: float) -> None:
         self.tree_step.update(width, seconds)
+
+    @_locked
+    def add_plain_step(self, seconds: float) -> None:
+        self.plain_step.update(seconds)
+
+    @_locked
+    def add_loop_call(self, speedup: float) -> None:
+        self.loop_speedup.update(speedup)
+
+    @_locked
+    def add_draft_prefill(self, tokens: int, seconds: float) -> None:
+        self.draft_prefill.update(tokens, seconds)
 
     @_locked
     def add_round(self) -> None:
@@ -529,6 +549,7 @@ class CostModel:
             "positions": list(self.positions), "positions_accepted": list(self.positions_accepted),
             "confidence_seen": list(self.confidence_seen), "confidence_accepted": list(self.confidence_accepted),
             "rounds_seen": self.rounds_seen,
+            "plain_step": self.plain_step.state_dict(), "loop_speedup": self.loop_speedup.state_dict(), "draft_prefill": self.draft_prefill.state_dict(),
             # Options are frozen dataclasses (schedule.Option): saved by their fields.
             "outcomes": [[dataclasses.asdict(o), list(v)] for o, v in self.outcomes.items()
                          if dataclasses.is_dataclass(o)],
@@ -575,6 +596,11 @@ class CostModel:
                 "confidence_seen": _nums(state["confidence_seen"], CONFIDENCE_BINS),
                 "confidence_accepted": _nums(state["confidence_accepted"], CONFIDENCE_BINS),
                 "rounds_seen": int(state["rounds_seen"]),
+                # Batch measurements came later: a profile saved without them loads with none.
+                "plain_step": fit(state.get("plain_step", Ewma().state_dict()), lambda: Ewma(decay=0.95)),
+                "loop_speedup": fit(state.get("loop_speedup", Ewma().state_dict()), lambda: Ewma(decay=0.7)),
+                "draft_prefill": fit(state.get("draft_prefill", LinearFit(_proportional).state_dict()),
+                                     lambda: LinearFit(_proportional)),
                 "outcomes": {Option(**o): _nums(v, 5) for o, v in state["outcomes"]},
             }
             if new["tried"] <= 0 or new["rounds_seen"] < 0:

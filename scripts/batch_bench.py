@@ -9,8 +9,10 @@ Prints numbers; not a test.
 
 Prompts: --prompts (16) of HumanEval and GSM (hf_ssd.bench.prompts; half each, HumanEval first), greedy,
 --max-new-tokens (64) each, --threads torch threads (2; 1 with --tiny/--sim). At each B the prompts, in the same order, are grouped
-into batches of B (left-padded); each method is warmed up once at each B on the first batch (SSD keeps its
-cost estimates across calls, so the timed calls start informed, as any later call in a program does).
+into batches of B (left-padded); each method is warmed up --warmup-calls (2) times at each B on the first batch
+(SSD keeps its cost estimates across calls, so the timed calls start informed, as any later call in a program
+does: at a new batch size its first call decodes plainly and measures that, its second runs the loop and measures
+its speedup; later calls choose).
 Throughput is the dataset's: all rows' new tokens / all calls' wall time. Every SSD row is compared with the
 same row of the target's batched generate (greedy: they must be identical).
 
@@ -70,7 +72,10 @@ def parse_args(argv=None):
                    help="torch threads (default 2 for the real pair, 1 for --tiny/--sim: the tiny pair's real "
                         "compute must stay far below the simulated times, and on a busy machine a second thread "
                         "only waits at every barrier)")
-    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up call at each B")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up calls at each B")
+    p.add_argument("--warmup-calls", type=int, default=2,
+                   help="warm-up calls of each method at each B (SSD's first two calls at a new batch size measure "
+                        "plain batched decoding, then its loop, to choose between them)")
     p.add_argument("--noise", type=float, default=0.01,
                    help="--tiny/--sim: the draft's weight noise (smaller: a closer draft, higher acceptance)")
     p.add_argument("--target-ms", type=float, default=40.0, help="--sim: milliseconds per target forward")
@@ -175,7 +180,8 @@ def measure(args, target, draft, tok, encoded) -> list[dict]:
         row = {"batch_size": b, "calls": len(groups), "rows": [len(g) for g in groups]}
         outputs = {}
         for method in METHODS:
-            call(method, target, draft, groups[0], pad, args.warmup_tokens)  # warm-up at this B
+            for _ in range(args.warmup_calls):  # warm-up at this B
+                call(method, target, draft, groups[0], pad, args.warmup_tokens)
             tokens, seconds, options, proposed, accepted = [], 0.0, {}, 0, 0
             for g in groups:
                 out, s, stats = call(method, target, draft, g, pad, args.max_new_tokens)
@@ -292,7 +298,7 @@ def shares_text(shares, top: int = 3) -> str:
 
 
 def render(command: str, pair: str, setting: str, rows: list[dict], memory: list[dict] | None) -> str:
-    lines = [f"command: {command}", f"pair: {pair}", f"prompts: {setting}; each method warmed up once at each B"]
+    lines = [f"command: {command}", f"pair: {pair}", f"prompts: {setting}"]
     if OVERRUNS:
         over = ", ".join(f"{name} {o} of {n}" for name, (n, o) in OVERRUNS.items())
         lines.append(f"simulated forwards that ran over their simulated time: {over}")
@@ -351,6 +357,7 @@ def main(argv=None) -> int:
         del target, draft
         gc.collect()
         memory = None if args.no_memory else measure_memory(args)
+    setting += f"; each method warmed up with {args.warmup_calls} calls of {args.warmup_tokens} tokens at each B"
     report = render(command, pair, setting, rows, memory)
     print()
     print(report)

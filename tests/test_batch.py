@@ -200,8 +200,11 @@ def test_pipeline_with_batch_size_matches_plain_pipeline(pair):
     plain = tf.pipeline("text-generation", model=target, tokenizer=tok)
     prompts = ["abc", "hello there", "x", "zzzz yy", "q r s t u"]
     want = plain(prompts, batch_size=4, max_new_tokens=12, do_sample=False)
-    got = pipe(prompts, batch_size=4, max_new_tokens=12, do_sample=False, ssd_config=SSDConfig(**QUIET))
+    got = pipe(prompts, batch_size=4, max_new_tokens=12, do_sample=False, ssd_config=SSDConfig(**QUIET),
+               _ssd_hooks={"plain": False})  # the loop, not a first call's plain decoding
     assert got == want
+    batch4 = [m for k, m in hf_ssd.costs.estimates_of(target, close) if k[2] == "batch4:thread"]
+    assert batch4 and batch4[0].rounds_seen > 0 and batch4[0].plain_step.count == 0  # it ran the loop
 
 
 def test_batched_stats_say_what_ran(pair):
@@ -212,7 +215,7 @@ def test_batched_stats_say_what_ran(pair):
                           ssd_config=config, _ssd_hooks=hooks, return_dict_in_generate=True)
     stats = out.ssd_stats
     assert stats is hf_ssd.last_stats(target) and stats.layout == "batch"
-    assert set(stats.options) == {"prefill", "sd(g=3)"}  # the target's prompt prefill, then SD
+    assert set(stats.options) == {"prefill", "sd(g=3)"}  # the prompts' prefill (draft and target), then SD
     assert stats.lookups == 0  # no speculation ran
     assert stats.wall_time > 0 and stats.tokens_per_second > 0
 
@@ -287,26 +290,33 @@ def run(target, draft, b: int, seed: int, **kw):
 
 
 def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, monkeypatch):
-    """Once the costs measured at a batch size predict AR rounds fastest, calls at that size (and at larger
-    unmeasured sizes) run the target's own batched decoding, identical to it; every PLAIN_REFRESH-th runs the
-    loop again; each plain step updates the AR estimate."""
+    """The first call at a batch size runs the target's own batched decoding and measures its steps, the second
+    the loop and its speedup over them; where that speedup cannot pay for the draft's prefill, later calls at
+    that size (and at larger unmeasured sizes) decode plainly, identical to the target; every PLAIN_REFRESH-th
+    runs the loop again."""
     monkeypatch.setattr(loop, "PLAIN_REFRESH", 2)
     target, draft = compute_bound_pair
     first = run(target, draft, 4, 0)
-    assert first.draft_path == "batched" and first.proposed_tokens > 0  # nothing measured yet: the loop explores
-    paths = [run(target, draft, 4, seed).draft_path for seed in range(1, 5)]
+    assert first.draft_path == "plain batched" and first.proposed_tokens == 0  # nothing measured: plain first
+    second = run(target, draft, 4, 1)
+    assert second.draft_path == "batched" and second.proposed_tokens > 0  # then the loop, measured against it
+    costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch4:thread"][0]
+    assert costs.loop_speedup.count == 1 and costs.loop_speedup.value < 1.0
+    assert costs.draft_prefill.count == 1 and costs.plain_step.count == NEW - 1
+    paths = [run(target, draft, 4, seed).draft_path for seed in range(2, 6)]
     assert paths == ["plain batched", "plain batched", "batched", "plain batched"], paths
-    bigger = run(target, draft, 8, 5)  # never measured at 8: a smaller size's verdict holds
+    bigger = run(target, draft, 8, 6)  # never measured at 8: a smaller size's verdict holds
     assert bigger.draft_path == "plain batched" and bigger.new_tokens == 8 * NEW
     assert set(bigger.options) == {"prefill", "plain batched"} and bigger.options["plain batched"]["rounds"] == NEW - 1
     costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch8:thread"][0]
-    assert costs.rounds_seen == NEW - 1 and 0.01 < costs.verify(0, None) < 0.02  # 12 ms per simulated step
+    assert costs.rounds_seen == 0 and costs.plain_step.count == NEW - 1  # no loop rounds at 8
+    assert 0.01 < costs.plain_step.value < 0.02  # 12 ms per simulated step
 
     # Sampling: the same seed gives the target's own draws (the hand-off keeps the caller's processors and RNG).
     sample = {"do_sample": True, "temperature": 0.7, "top_k": 20}
     ids, mask = padded_batch(lengths_for(4, 6), 6)
     paths = []
-    for seed in range(3):  # the first call measures the sampling estimates in the loop
+    for seed in range(3):  # sampling has estimates of its own: plain, the loop, then plain
         torch.manual_seed(seed)
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=NEW,
                               ssd_config=SSDConfig(**QUIET), _ssd_hooks={"options": no_ssd}, **sample)
@@ -314,17 +324,22 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
         if paths[-1] == "plain batched":
             torch.manual_seed(seed)
             assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=NEW, **sample))
-    assert paths[0] == "batched" and "plain batched" in paths, paths
+    assert paths == ["plain batched", "batched", "plain batched"], paths
 
 
 def test_plain_decoding_is_not_chosen_where_drafting_pays():
     """The opposite device: a verify costs the same at any number of candidates (memory-bound) and drafting is
-    cheap, so SD beats AR and every call keeps running the loop."""
+    cheap, so SD beats AR: after the first call (plain decoding, measured), every call runs the loop."""
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
     target.generation_config.eos_token_id = None
     draft = noisy_copy(target, 0.002)
     simulate_device(target, DeviceCost(base_s=0.02))
     simulate_device(draft, DeviceCost(base_s=0.002))
-    for seed in range(4):
+    paths = []
+    for seed in range(5):
         stats = run(target, draft, 4, seed)
-        assert stats.draft_path == "batched" and stats.proposed_tokens > 0
+        paths.append(stats.draft_path)
+        assert (stats.proposed_tokens > 0) == (stats.draft_path == "batched")
+    assert paths == ["plain batched"] + ["batched"] * 4, paths
+    costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch4:thread"][0]
+    assert costs.loop_speedup.value > 1.5

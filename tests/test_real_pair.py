@@ -63,7 +63,8 @@ def test_real_pair_batched_rows_equal_each_prompt_alone(real_pair):
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     out = target.generate(**batch, max_new_tokens=24, do_sample=False, assistant_model=draft,
-                          ssd_config=hf_ssd.SSDConfig(hit_rate_warning=0))
+                          ssd_config=hf_ssd.SSDConfig(hit_rate_warning=0),
+                          _ssd_hooks={"plain": False})  # the loop, not a first call's plain decoding
     width = batch["input_ids"].shape[1]
     for i, prompt in enumerate(prompts):
         ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -55,18 +55,9 @@ class BatchDrafter:
         steps = max(n)
         active = [k > 0 for k in n]
         feeds = [row.real[row.draft_fed:] if a else [] for row, a in zip(rows, active)]
-        width = max(len(f) for f in feeds)
-        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        valid = torch.zeros(len(rows), width, dtype=torch.long)
-        pos = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (row, feed) in enumerate(zip(rows, feeds)):  # right-aligned: every row's last column is real
-            if feed:
-                ids[i, width - len(feed):] = torch.tensor(feed)
-                valid[i, width - len(feed):] = 1
-                pos[i, width - len(feed):] = torch.arange(row.draft_fed, row.draft_fed + len(feed))
         nxt = torch.tensor([[len(row.real)] for row in rows])
         on = torch.tensor(active, dtype=torch.long)[:, None]
-        logits = self.kv.forward(ids, valid, pos, keep_last=1)[:, -1]
+        logits = self.kv.forward(*self._feed(rows, feeds), keep_last=1)[:, -1]
         tokens, dists, tops = [], [], []
         for j in range(steps):
             probs = self.probs(logits)
@@ -90,6 +81,31 @@ class BatchDrafter:
             out.append(drafted[i][: n[i]])
             q.append(torch.stack([d[i] for d in dists])[: n[i]] if self.do_sample else None)
         return out, q
+
+    def prefill(self, rows) -> int:
+        """Feed every row's prompt but its last token (the first drafting round feeds that one, whose logits it
+        needs), while the target's prefill yields the first token. Returns the tokens fed."""
+        feeds = [row.real[row.draft_fed : len(row.real) - 1] for row in rows]
+        if not all(feeds):  # a one-token prompt: a first block must hold a token of every row (ragged.py)
+            return 0
+        self.kv.forward(*self._feed(rows, feeds), keep_last=1)
+        for row, feed in zip(rows, feeds):
+            row.draft_fed += len(feed)
+        return sum(map(len, feeds))
+
+    def _feed(self, rows, feeds: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, valid, positions) of each row's tokens `feeds[i]` after its `draft_fed` ones, right-aligned: every
+        feeding row's last column is real."""
+        width = max(len(f) for f in feeds)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.long)
+        pos = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (row, feed) in enumerate(zip(rows, feeds)):
+            if feed:
+                ids[i, width - len(feed):] = torch.tensor(feed)
+                valid[i, width - len(feed):] = 1
+                pos[i, width - len(feed):] = torch.arange(row.draft_fed, row.draft_fed + len(feed))
+        return ids, valid, pos
 
     def catch_up(self, rows, candidates: list[list[int]]) -> None:
         """Feed what each row's draft has not seen yet (tokens since it last drafted, a last candidate), so that

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +42,8 @@ from .speculate import Branch, Tree, speculate
 logger = logging.getLogger("hf_ssd")
 
 BATCH_BUDGETS = tuple(b for b in AUTO_BUDGETS if b <= 4)  # branches per row: a batch multiplies them
-PLAIN_MIN_ROUNDS = 8  # rounds measured at a batch size before its estimates may hand a call to plain decoding
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
-_PLAIN_STREAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CostModel -> plain calls in a row
+VERDICT_MIN_STEPS = 4  # decode steps a loop call needs for its speedup over plain decoding to be recorded
 
 
 @dataclass
@@ -140,47 +138,52 @@ class BatchPlan:
                                                inline=self.layout == "inline", rows=size)
         return self._schedulers[size]
 
-    def plain(self, rows: int) -> bool:
-        """Whether the call runs plain batched decoding (plain.py) instead of the loop: the costs measured at its
-        batch size predict AR rounds faster than every drafting option or, not measured there yet, they did at a
-        smaller batch size on this pair (adding rows only makes a verify more compute-bound). Every
-        PLAIN_REFRESH-th such call runs the loop anyway, so that the drafting estimates follow the machine."""
+    def plain(self, rows: list[Row], new_tokens: int) -> bool:
+        """Whether the call runs plain batched decoding (plain.py) instead of the loop, from whole calls measured
+        at its batch size. The first call at a size runs plain decoding (what the caller would run without
+        hf_ssd) and measures its steps; the next runs the loop and measures its speedup over them; later calls
+        compare plain's time for the call with the loop's (the draft's prompt prefill, then plain's time over the
+        speedup). Before the loop is measured at a size, the nearest smaller measured size's verdict holds if it
+        is plain (adding rows only makes a verify more compute-bound). Every PLAIN_REFRESH-th plain call in a row
+        runs the loop anyway, so that its measured speedup follows the machine."""
         if Option("ar") not in self.options:
             return False
-        scheduler = self.scheduler(rows)
-        costs = scheduler.costs
-        if costs.rounds_seen >= PLAIN_MIN_ROUNDS:
-            plain = _ar_best(scheduler)
-        else:
-            plain = any(_ar_best(s) for s in self._smaller(_size(rows)))
+        size = _size(len(rows))
+        costs = self.scheduler(len(rows)).costs
+        prompt = sum(len(r.real) for r in rows)
         with costs.lock:
-            streak = _PLAIN_STREAKS.get(costs, 0) + 1 if plain else 0
-            if streak > PLAIN_REFRESH:
-                streak, plain = 0, False
-            _PLAIN_STREAKS[costs] = streak
+            plain = _plain_wins(costs, prompt, new_tokens)
+            if plain is None:
+                smaller = self._smaller(size)
+                plain = costs.plain_step.count == 0 or (bool(smaller) and bool(
+                    _plain_wins(smaller[-1][1], prompt * smaller[-1][0] // size, new_tokens)))
+            costs.plain_streak = costs.plain_streak + 1 if plain else 0
+            if costs.plain_streak > PLAIN_REFRESH:
+                costs.plain_streak, plain = 0, False
         return plain
 
-    def _smaller(self, size: int) -> list[Scheduler]:
-        """Schedulers over this pair's measured estimates at batch sizes below `size` (2 .. size / 2)."""
+    def _smaller(self, size: int) -> list[tuple[int, object]]:
+        """(batch size, CostModel) of this pair's estimates with a measured loop call at sizes 2 .. size / 2,
+        smallest first."""
         want = {f"batch{s}:{self.layout}": s for s in (1 << i for i in range(1, size.bit_length() - 1))}
-        found = []
-        for key, costs in estimates_of(self.target, self.draft):
-            if (key[2] in want and key[1] == str(self.draft.device) and key[3:] == (self.do_sample, self.top_k,
-                                                                                   self.config.draft_matmul)
-                    and costs.rounds_seen >= PLAIN_MIN_ROUNDS):
-                found.append(Scheduler(self.config, costs, self.options, self.default,
-                                       inline=self.layout == "inline", rows=want[key[2]]))
-        return found
+        found = [(want[key[2]], costs) for key, costs in estimates_of(self.target, self.draft)
+                 if key[2] in want and key[1] == str(self.draft.device)
+                 and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul) and costs.loop_speedup.count]
+        return sorted(found, key=lambda x: x[0])
 
 
 def _size(rows: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(rows, 1))))
 
 
-def _ar_best(scheduler: Scheduler) -> bool:
-    costs = scheduler.costs
-    with costs.lock, costs.frozen():
-        return scheduler.best()[0].kind == "ar"
+def _plain_wins(costs, prompt_tokens: int, new_tokens: int) -> bool | None:
+    """Whether plain batched decoding is predicted no slower than the loop for a call of these prompt and new
+    tokens, from the whole calls measured on `costs` (None: plain or the loop not measured)."""
+    step, speedup = costs.plain_step.value, costs.loop_speedup.value
+    if not costs.loop_speedup.count or step is None or not speedup:
+        return None
+    plain_s = max(1, new_tokens - 1) * step  # the first token comes with the prefill, in both
+    return plain_s <= (costs.draft_prefill.predict(prompt_tokens) or 0.0) + plain_s / speedup
 
 
 def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Row]:
@@ -226,7 +229,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
     plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=9)
     ssd_stats.batch_size = len(rows)
-    if (ssd_hooks or {}).get("plain", True) and plan.plain(len(rows)):
+    if (ssd_hooks or {}).get("plain", True) and plan.plain(rows, generation_config.max_length - input_ids.shape[1]):
         return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                             streamer, model_kwargs, plan.scheduler(len(rows)).costs, ssd_stats, eos)
     target = RaggedCache(model)
@@ -251,7 +254,10 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     def allowed(row: Row, o: Outcome) -> bool:  # an outcome worth a branch: the row goes on after it
         return o.bonus not in eos and len(row.ids) + o.accepted + 2 < max_length
 
-    first, nxt = True, None
+    call_costs = plan.scheduler(len(rows)).costs  # the call's verdict on plain decoding is kept at its batch size
+    with speculator.on_critical_path():
+        draft_prefill_s = _prefill_draft(drafter, live, call_costs)
+    first, nxt, decoding = True, None, None
     try:
         while live:
             scheduler = plan.scheduler(len(live))
@@ -273,10 +279,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             with speculator.on_critical_path():
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
-            rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3)
+            rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
             _measure(scheduler, stats, rnd, live, appended, first)
             first = False
             live = _leave(live, target, drafter)
+            decoding = decoding or time.perf_counter()  # the target's prefill done: decoding starts
     except BaseException as err:
         try:
             speculator.close()  # background work never outlives the call
@@ -284,6 +291,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             logger.error("hf_ssd: closing the speculator after %s also failed: %r", type(err).__name__, close_err)
         raise
     speculator.close()
+    if decoding is not None:
+        _measure_call(call_costs, rows, time.perf_counter() - decoding)
     stats.rows = [r.stats() for r in rows]
     stats.draft_forwards = drafter.kv.forwards
     width = max(len(r.ids) for r in rows)
@@ -292,6 +301,27 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def _prefill_draft(drafter: BatchDrafter, live: list[Row], costs) -> float:
+    """0. The draft's prompt prefill, timed (it is what a loop call pays and plain decoding does not); its time is
+    the prefill round's too."""
+    t = time.perf_counter()
+    fed = drafter.prefill(live)
+    seconds = time.perf_counter() - t
+    if fed:
+        costs.add_draft_prefill(fed, seconds)
+    return seconds
+
+
+def _measure_call(costs, rows: list[Row], seconds: float) -> None:
+    """The loop's speedup over plain batched decoding in this call: plain's steps for the same output (until the
+    longest row ended; all rows each step) at its measured step time, over the loop's time after the prefill."""
+    steps = max(r.new for r in rows) - 1
+    with costs.lock:
+        step = costs.plain_step.value
+        if steps >= VERDICT_MIN_STEPS and step is not None and seconds > 0:
+            costs.add_loop_call(steps * step / seconds)
 
 
 def _decide(scheduler: Scheduler) -> tuple[Option, object, bool]:

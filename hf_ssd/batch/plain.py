@@ -44,9 +44,9 @@ def decode_plain(model, input_ids, logits_processor, stopping_criteria, generati
                               streamer, **model_kwargs)
     steps = clock.steps
     with costs.lock:
-        for seconds in steps:
-            costs.add_verify(0, seconds, None)
-            costs.add_round()
+        for seconds in steps:  # not rounds of the loop's: its first call at this size still explores
+            costs.add_plain_step(seconds)
+            costs.add_verify(0, seconds, None)  # also the loop's AR estimate: a step over the same rows
     sequences = out.sequences if hasattr(out, "sequences") else out
     start = input_ids.shape[1]
     stats.rows = []
