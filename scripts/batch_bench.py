@@ -13,6 +13,7 @@ into batches of B (left-padded); each method is warmed up --warmup-calls (2) tim
 (SSD keeps its cost estimates across calls, so the timed calls start informed, as any later call in a program
 does: at a new batch size its first call decodes plainly and measures that, its second runs the loop and measures
 its speedup; later calls choose).
+The timed calls alternate between the methods batch by batch (a noisy machine's drift weighs on both alike).
 Throughput is the dataset's: all rows' new tokens / all calls' wall time. Every SSD row is compared with the
 same row of the target's batched generate (greedy: they must be identical).
 
@@ -23,7 +24,9 @@ costs are not the tiny pair's). The simulation holds only while the tiny pair's 
 the simulated times: the report counts the forwards that overran them (a busy machine), and warns.
 
 Memory (at --memory-batch, default the largest B; --no-memory skips it): each method runs in its own fresh
-process (this script with --memory-child): models loaded, one 1-token call, then the RSS high-water mark is
+process (this script with --memory-child): the target's batched generate, SSDConfig() as it chooses (in a fresh
+process its first call at a batch size decodes plainly) and SSDConfig() with its loop forced (never plain batched
+decoding): models loaded, one 1-token call, then the RSS high-water mark is
 reset (Linux /proc/self/clear_refs) and the method runs over all batches; reported: the peak RSS minus the RSS
 before (torch's CPU allocator keeps no peak statistics; RSS is what the process held), and on CUDA
 torch.cuda.max_memory_allocated. Without a resettable high-water mark the delta of the process's max RSS
@@ -56,8 +59,11 @@ from hf_ssd.bench.batched import chunks, generate_batch, pad_token_id  # noqa: E
 from hf_ssd.bench.prompts import encode_prompt, load_prompts  # noqa: E402
 
 METHODS = ("target_batched", "ssd")
+# Memory also of the loop itself: in a fresh process SSD's first call at a batch size decodes plainly (measuring).
+MEMORY_METHODS = METHODS + ("ssd_loop",)
 OVERRUNS: dict[str, list[int]] = {}  # --sim: model -> [forwards, forwards longer than the simulated time]
-LABELS = {"target_batched": "target's own batched generate", "ssd": "SSDConfig() (batched loop)"}
+LABELS = {"target_batched": "target's own batched generate", "ssd": "SSDConfig() (as chosen)",
+          "ssd_loop": "SSDConfig(), the loop forced"}
 
 
 def parse_args(argv=None):
@@ -84,9 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", help="real pair: auto (float32 on CPU, bfloat16 on CUDA), float32, ...")
     p.add_argument("--memory-batch", type=int, default=None, help="B of the memory measurement (default: the largest)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    p.add_argument("--memory-only", action="store_true", help="only the memory measurement (no throughput)")
     p.add_argument("--no-profile", action="store_true", help="do not read the pair's tuning profile")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-    p.add_argument("--memory-child", choices=METHODS, help=argparse.SUPPRESS)  # internal: one memory measurement
+    p.add_argument("--memory-child", choices=MEMORY_METHODS, help=argparse.SUPPRESS)  # internal: one memory measurement
     args = p.parse_args(argv)
     args.batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
     if args.threads is None:
@@ -163,10 +170,12 @@ def prompts(args, tok) -> tuple[list[list[int]], str]:
 
 def call(method: str, target, draft, group, pad, new: int):
     kwargs = {"max_new_tokens": new, "do_sample": False}
-    if method == "ssd":
+    if method in ("ssd", "ssd_loop"):
         kwargs.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0))
+    if method == "ssd_loop":
+        kwargs["_ssd_hooks"] = {"plain": False}  # never plain batched decoding (the loop's own memory)
     tokens, seconds = generate_batch(target, group, pad, **kwargs)
-    return tokens, seconds, hf_ssd.last_stats(target) if method == "ssd" else None
+    return tokens, seconds, hf_ssd.last_stats(target) if method != "target_batched" else None
 
 
 # ----------------------------------------------------------------------------------------------- throughput
@@ -178,34 +187,36 @@ def measure(args, target, draft, tok, encoded) -> list[dict]:
     for b in args.batch_sizes:
         groups = chunks(encoded, b)
         row = {"batch_size": b, "calls": len(groups), "rows": [len(g) for g in groups]}
-        outputs = {}
         for method in METHODS:
             for _ in range(args.warmup_calls):  # warm-up at this B
                 call(method, target, draft, groups[0], pad, args.warmup_tokens)
-            tokens, seconds, options, proposed, accepted = [], 0.0, {}, 0, 0
-            for g in groups:
+        acc = {m: {"tokens": [], "seconds": 0.0, "options": {}, "proposed": 0, "accepted": 0} for m in METHODS}
+        for g in groups:  # the methods alternate batch by batch: a machine's drift weighs on both alike
+            for method in METHODS:
                 out, s, stats = call(method, target, draft, g, pad, args.max_new_tokens)
-                tokens += out
-                seconds += s
+                a = acc[method]
+                a["tokens"] += out
+                a["seconds"] += s
                 if stats is not None:
-                    proposed += stats.proposed_tokens
-                    accepted += stats.accepted_tokens
+                    a["proposed"] += stats.proposed_tokens
+                    a["accepted"] += stats.accepted_tokens
                     for name, o in stats.options.items():
-                        e = options.setdefault(name, {"rounds": 0, "seconds": 0.0})
+                        e = a["options"].setdefault(name, {"rounds": 0, "seconds": 0.0})
                         e["rounds"] += o["rounds"]
                         e["seconds"] += o["seconds"]
-            outputs[method] = tokens
-            new = sum(len(t) for t in tokens)
-            row[method] = {"new_tokens": new, "seconds": seconds, "tokens_per_second": new / seconds}
+        for method in METHODS:
+            a = acc[method]
+            new = sum(len(t) for t in a["tokens"])
+            row[method] = {"new_tokens": new, "seconds": a["seconds"], "tokens_per_second": new / a["seconds"]}
             if method == "ssd":
-                total = sum(o["seconds"] for o in options.values()) or 1.0
-                row[method]["options"] = options
+                total = sum(o["seconds"] for o in a["options"].values()) or 1.0
+                row[method]["options"] = a["options"]
                 row[method]["option_shares"] = sorted(((n, o["rounds"], o["seconds"] / total)
-                                                       for n, o in options.items()), key=lambda x: -x[2])
-                row[method]["acceptance"] = accepted / proposed if proposed else None
+                                                       for n, o in a["options"].items()), key=lambda x: -x[2])
+                row[method]["acceptance"] = a["accepted"] / a["proposed"] if a["proposed"] else None
         row["ratio"] = row["ssd"]["tokens_per_second"] / row["target_batched"]["tokens_per_second"]
-        row["mismatched_rows"] = [i for i, (a, c) in enumerate(zip(outputs["ssd"], outputs["target_batched"]))
-                                  if a != c]
+        row["mismatched_rows"] = [i for i, (x, y) in enumerate(zip(acc["ssd"]["tokens"], acc["target_batched"]["tokens"]))
+                                  if x != y]
         results.append(row)
         print(f"  B={b}: target batched {row['target_batched']['tokens_per_second']:.2f} tok/s, SSD "
               f"{row['ssd']['tokens_per_second']:.2f} tok/s ({row['ratio']:.2f}x)", flush=True)
@@ -254,7 +265,7 @@ def memory_child(args) -> dict:
         out, _, _ = call(args.memory_child, target, draft, g, pad, args.max_new_tokens)
         new += sum(len(t) for t in out)
     seconds = time.perf_counter() - start
-    result = {"method": args.memory_child, "batch_size": b, "tokens_per_second": new / seconds,
+    result = {"method": args.memory_child, "batch_size": b, "prompts": len(encoded), "tokens_per_second": new / seconds,
               "hwm_reset": reset, "rss_before_mib": (rss_before or 0) / 1024}
     if reset:
         result["peak_rss_mib"] = _status_kib("VmHWM") / 1024
@@ -270,7 +281,7 @@ def memory_child(args) -> dict:
 
 def measure_memory(args) -> list[dict]:
     out = []
-    for method in METHODS:
+    for method in MEMORY_METHODS:
         argv = [sys.executable, str(Path(__file__).resolve()), "--memory-child", method,
                 "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
                 "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--threads", str(args.threads),
@@ -305,7 +316,7 @@ def render(command: str, pair: str, setting: str, rows: list[dict], memory: list
         if any(o > 0.05 * n for n, o in OVERRUNS.values()):
             lines.append("WARNING: more than 5% of a model's forwards overran: the real compute (a busy machine) "
                          "shows in these numbers; rerun on an idle machine or raise --target-ms/--draft-ms")
-    lines += ["",
+    lines += [] if not rows else ["",
              "Dataset throughput: all rows' new tokens / all calls' wall time.", "",
              "| B | calls × rows | target batched tok/s | SSD tok/s | SSD / target | SSD acceptance "
              "| SSD options (rounds, share of round time) | SSD rows ≠ target batched |",
@@ -320,18 +331,20 @@ def render(command: str, pair: str, setting: str, rows: list[dict], memory: list
                      f"{'**' + str(bad) + ' MISMATCH**' if bad else '0'} |")
     if memory:
         b = memory[0]["batch_size"]
-        rows_per_call = min(b, sum(rows[0]["rows"]))
+        rows_per_call = min(b, memory[0]["prompts"])
         how = ("peak RSS over the timed calls minus RSS before them (high-water mark reset)"
                if all(m["hwm_reset"] for m in memory) else
                "max-RSS growth (getrusage; no resettable high-water mark here: only what exceeded the load's peak)")
         cuda = any("cuda_peak_delta_mib" in m for m in memory)
         at = f"B={b}" + (f" ({rows_per_call} rows: all the prompts)" if rows_per_call < b else "")
         lines += ["", f"Peak memory at {at}, each method in its own process: {how}.", "",
-                  "| method | RSS before (MiB) | peak RSS (MiB) | peak − before (MiB) |"
+                  "| method | RSS before (MiB) | peak RSS (MiB) | peak / target's | peak − before (MiB) |"
                   + (" CUDA peak − before (MiB) |" if cuda else "") + " tok/s |",
-                  "|---|---|---|---|" + ("---|" if cuda else "") + "---|"]
+                  "|---|---|---|---|---|" + ("---|" if cuda else "") + "---|"]
+        base = next((m["peak_rss_mib"] for m in memory if m["method"] == "target_batched"), None)
         for m in memory:
-            lines.append(f"| {LABELS[m['method']]} | {m['rss_before_mib']:.1f} | {m['peak_rss_mib']:.1f} | "
+            ratio = f"{m['peak_rss_mib'] / base:.2f}×" if base else "—"
+            lines.append(f"| {LABELS[m['method']]} | {m['rss_before_mib']:.1f} | {m['peak_rss_mib']:.1f} | {ratio} | "
                          f"{m['peak_delta_mib']:.1f} |"
                          + (f" {m.get('cuda_peak_delta_mib', 0):.1f} |" if cuda else "")
                          + f" {m['tokens_per_second']:.2f} |")
@@ -353,7 +366,7 @@ def main(argv=None) -> int:
         print(f"command: {command}", flush=True)
         target, draft, tok, pair = load(args)
         encoded, setting = prompts(args, tok)
-        rows = measure(args, target, draft, tok, encoded)
+        rows = [] if args.memory_only else measure(args, target, draft, tok, encoded)
         del target, draft
         gc.collect()
         memory = None if args.no_memory else measure_memory(args)

@@ -155,8 +155,11 @@ class BatchPlan:
             plain = _plain_wins(costs, prompt, new_tokens)
             if plain is None:
                 smaller = self._smaller(size)
-                plain = costs.plain_step.count == 0 or (bool(smaller) and bool(
-                    _plain_wins(smaller[-1][1], prompt * smaller[-1][0] // size, new_tokens)))
+                plain = costs.plain_step.count == 0
+                if smaller and not plain:
+                    at, other = smaller[-1]
+                    with other.lock:
+                        plain = bool(_plain_wins(other, prompt * at // size, new_tokens))
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
             if costs.plain_streak > PLAIN_REFRESH:
                 costs.plain_streak, plain = 0, False
