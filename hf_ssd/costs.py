@@ -549,7 +549,8 @@ class CostModel:
             "positions": list(self.positions), "positions_accepted": list(self.positions_accepted),
             "confidence_seen": list(self.confidence_seen), "confidence_accepted": list(self.confidence_accepted),
             "rounds_seen": self.rounds_seen,
-            "plain_step": self.plain_step.state_dict(), "loop_speedup": self.loop_speedup.state_dict(), "draft_prefill": self.draft_prefill.state_dict(),
+            "plain_step": self.plain_step.state_dict(), "loop_speedup": self.loop_speedup.state_dict(),
+            "draft_prefill": self.draft_prefill.state_dict(),
             # Options are frozen dataclasses (schedule.Option): saved by their fields.
             "outcomes": [[dataclasses.asdict(o), list(v)] for o, v in self.outcomes.items()
                          if dataclasses.is_dataclass(o)],

@@ -26,7 +26,9 @@ the simulated times: the report counts the forwards that overran them (a busy ma
 Memory (at --memory-batch, default the largest B; --no-memory skips it): each method runs in its own fresh
 process (this script with --memory-child): the target's batched generate, SSDConfig() as it chooses (in a fresh
 process its first call at a batch size decodes plainly) and SSDConfig() with its loop forced (never plain batched
-decoding): models loaded, one 1-token call, then the RSS high-water mark is
+decoding): both models loaded and read once (a 1-token target call, a draft forward: weights mapped lazily from
+disk are resident only once read, so a process that never ran the draft would not count its weights), then the
+RSS high-water mark is
 reset (Linux /proc/self/clear_refs) and the method runs over all batches; reported: the peak RSS minus the RSS
 before (torch's CPU allocator keeps no peak statistics; RSS is what the process held), and on CUDA
 torch.cuda.max_memory_allocated. Without a resettable high-water mark the delta of the process's max RSS
@@ -251,6 +253,8 @@ def memory_child(args) -> dict:
     b = args.memory_batch or max(args.batch_sizes)
     pad = pad_token_id(target, tok)
     generate_batch(target, encoded[:1], pad, max_new_tokens=1, do_sample=False)  # weights touched, allocator warm
+    with torch.inference_mode():  # the draft's too: weights loaded lazily are resident only once read
+        draft(input_ids=torch.tensor([encoded[0][:8]], device=draft.device))
     gc.collect()
     cuda = target.device.type == "cuda"
     if cuda:

@@ -305,12 +305,15 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
     assert costs.draft_prefill.count == 1 and costs.plain_step.count == NEW - 1
     paths = [run(target, draft, 4, seed).draft_path for seed in range(2, 6)]
     assert paths == ["plain batched", "plain batched", "batched", "plain batched"], paths
-    bigger = run(target, draft, 8, 6)  # never measured at 8: a smaller size's verdict holds
+    bigger = run(target, draft, 8, 6)  # a new size: plain first
     assert bigger.draft_path == "plain batched" and bigger.new_tokens == 8 * NEW
     assert set(bigger.options) == {"prefill", "plain batched"} and bigger.options["plain batched"]["rounds"] == NEW - 1
     costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch8:thread"][0]
     assert costs.rounds_seen == 0 and costs.plain_step.count == NEW - 1  # no loop rounds at 8
     assert 0.01 < costs.plain_step.value < 0.02  # 12 ms per simulated step
+    # Its second call would run the loop to measure it, but the verdict at 4 holds at 8 (more rows only make a
+    # verify more compute-bound): plain again, and the loop is never measured at 8.
+    assert run(target, draft, 8, 7).draft_path == "plain batched" and costs.loop_speedup.count == 0
 
     # Sampling: the same seed gives the target's own draws (the hand-off keeps the caller's processors and RNG).
     sample = {"do_sample": True, "temperature": 0.7, "top_k": 20}
