@@ -13,7 +13,8 @@ into batches of B (left-padded); each method is warmed up --warmup-calls (2) tim
 (SSD keeps its cost estimates across calls, so the timed calls start informed, as any later call in a program
 does: at a new batch size its first call decodes plainly and measures that, its second runs the loop and measures
 its speedup; later calls choose).
-The timed calls alternate between the methods batch by batch (a noisy machine's drift weighs on both alike).
+The timed calls alternate between the methods batch by batch, in the order A B, B A, A B, ... (a noisy machine's
+drift, and whatever one call leaves the next, weigh on both alike).
 Throughput is the dataset's: all rows' new tokens / all calls' wall time. Every SSD row is compared with the
 same row of the target's batched generate (greedy: they must be identical).
 
@@ -193,8 +194,8 @@ def measure(args, target, draft, tok, encoded) -> list[dict]:
             for _ in range(args.warmup_calls):  # warm-up at this B
                 call(method, target, draft, groups[0], pad, args.warmup_tokens)
         acc = {m: {"tokens": [], "seconds": 0.0, "options": {}, "proposed": 0, "accepted": 0} for m in METHODS}
-        for g in groups:  # the methods alternate batch by batch: a machine's drift weighs on both alike
-            for method in METHODS:
+        for i, g in enumerate(groups):  # the methods alternate, A B B A ...: drift and order weigh on both alike
+            for method in (METHODS if i % 2 == 0 else METHODS[::-1]):
                 out, s, stats = call(method, target, draft, g, pad, args.max_new_tokens)
                 a = acc[method]
                 a["tokens"] += out
@@ -374,7 +375,8 @@ def main(argv=None) -> int:
         del target, draft
         gc.collect()
         memory = None if args.no_memory else measure_memory(args)
-    setting += f"; each method warmed up with {args.warmup_calls} calls of {args.warmup_tokens} tokens at each B"
+    if rows:
+        setting += f"; each method warmed up with {args.warmup_calls} calls of {args.warmup_tokens} tokens at each B"
     report = render(command, pair, setting, rows, memory)
     print()
     print(report)
