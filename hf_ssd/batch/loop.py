@@ -258,10 +258,10 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         return o.bonus not in eos and len(row.ids) + o.accepted + 2 < max_length
 
     call_costs = plan.scheduler(len(rows)).costs  # the call's verdict on plain decoding is kept at its batch size
-    with speculator.on_critical_path():
-        draft_prefill_s = _prefill_draft(drafter, live, call_costs)
     first, nxt, decoding = True, None, None
     try:
+        with speculator.on_critical_path():
+            draft_prefill_s = _prefill_draft(drafter, live, call_costs)
         while live:
             scheduler = plan.scheduler(len(live))
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
