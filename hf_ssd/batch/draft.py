@@ -86,7 +86,7 @@ class BatchDrafter:
         """Feed every row's prompt but its last token (the first drafting round feeds that one, whose logits it
         needs), while the target's prefill yields the first token. Returns the tokens fed."""
         feeds = [row.real[row.draft_fed : len(row.real) - 1] for row in rows]
-        if not all(feeds):  # a one-token prompt: a first block must hold a token of every row (ragged.py)
+        if not feeds or not all(feeds):  # a one-token prompt: a first block must hold a token of every row
             return 0
         self.kv.forward(*self._feed(rows, feeds), keep_last=1)
         for row, feed in zip(rows, feeds):
