@@ -154,10 +154,10 @@ class BatchPlan:
         with costs.lock:
             plain = _plain_wins(costs, prompt, new_tokens)
             if plain is None:
-                smaller = self._smaller(size)
-                plain = costs.plain_step.count == 0
-                if smaller and not plain:
-                    at, other = smaller[-1]
+                plain = costs.plain_step.count == 0  # a new size: plain first, measured
+                nearest = None if plain else self._nearest_smaller(size)
+                if nearest is not None:
+                    at, other = nearest
                     with other.lock:
                         plain = bool(_plain_wins(other, prompt * at // size, new_tokens))
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
@@ -165,14 +165,14 @@ class BatchPlan:
                 costs.plain_streak, plain = 0, False
         return plain
 
-    def _smaller(self, size: int) -> list[tuple[int, object]]:
-        """(batch size, CostModel) of this pair's estimates with a measured loop call at sizes 2 .. size / 2,
-        smallest first."""
+    def _nearest_smaller(self, size: int) -> tuple[int, object] | None:
+        """(batch size, CostModel) of this pair's estimates with a measured loop call at the largest size of
+        2 .. size / 2, or None."""
         want = {f"batch{s}:{self.layout}": s for s in (1 << i for i in range(1, size.bit_length() - 1))}
         found = [(want[key[2]], costs) for key, costs in estimates_of(self.target, self.draft)
                  if key[2] in want and key[1] == str(self.draft.device)
                  and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul) and costs.loop_speedup.count]
-        return sorted(found, key=lambda x: x[0])
+        return max(found, key=lambda x: x[0], default=None)
 
 
 def _size(rows: int) -> int:

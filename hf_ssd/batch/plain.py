@@ -3,8 +3,8 @@
 Where a batched verify is compute-bound (CPU cores at large B), every drafted candidate costs about as much as
 a token decoded alone, and the fastest thing to run is what the user would run without hf_ssd: transformers'
 `_sample` over the whole batch. Its output is the target's own by construction. Each step is timed (a stopping
-criterion that never stops) into the pair's AR estimate at this batch size, so that the next call compares the
-drafting options with plain decoding as it really runs.
+criterion that never stops) into the pair's plain-step estimate at this batch size (and its AR estimate), against
+which a loop call's speedup is measured (loop.py, `BatchPlan.plain`).
 """
 
 from __future__ import annotations
