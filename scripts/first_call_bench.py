@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Batch 1 where the draft helps little: the default SSDConfig() in a process's FIRST call and in later calls,
+against the best of the target alone and transformers' assisted settings. Prints numbers; not a test.
+
+Prompts: the first half of the source of functions from Python's standard library (raw code, no chat template),
+where the real pair's draft agrees with the target less than on HumanEval. Greedy.
+
+Order, in one fresh process with no tuning profile (HF_SSD_NO_PROFILE=1 is set here):
+1. both models' kernels warmed by a 2-token `generate` each (first-use costs are not SSD's);
+2. **first call**: SSDConfig() on prompt 0 (its scheduler knows nothing yet: it explores);
+3. the baselines on prompt 0 (they keep no state: their first call is any call), each at its best torch thread
+   count, probed at 1 and 2 threads on prompt 0 (--probe-tokens);
+4. **later calls**: every method on every prompt, the method order rotating per prompt.
+Ratios are within this one run. Every greedy output is compared with the target alone.
+
+    flock /tmp/realpair.lock python scripts/first_call_bench.py                  # 3 prompts x 48 tokens
+    python scripts/first_call_bench.py --tiny --prompts 2 --max-new-tokens 8     # smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["HF_SSD_NO_PROFILE"] = "1"  # a first call that knows nothing: what a new program gets
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_ssd  # noqa: E402
+from hf_ssd import SSDConfig  # noqa: E402
+from hf_ssd.bench.runner import assistant_settings, torch_threads  # noqa: E402
+
+BASELINES = {  # name -> draft generation_config overrides for assisted generation (None: the target alone)
+    "target": None,
+    "assisted": {},
+    "assisted_4": {"num_assistant_tokens": 4, "assistant_confidence_threshold": 0.0,
+                   "num_assistant_tokens_schedule": "constant"},
+}
+
+
+def stdlib_prompts(n: int) -> list[str]:
+    import bisect
+    import difflib
+    import fnmatch
+    import shlex
+    import textwrap
+
+    functions = [textwrap.TextWrapper._wrap_chunks, shlex.shlex.read_token, fnmatch.translate,
+                 difflib.SequenceMatcher.find_longest_match, bisect.insort_right]
+    out = []
+    for f in functions[:n]:
+        lines = inspect.getsource(f).splitlines(keepends=True)
+        out.append("".join(lines[: max(4, len(lines) // 2)]))
+    return out
+
+
+def call(method, target, draft, ids, new):
+    kw = {"max_new_tokens": new, "do_sample": False, "attention_mask": torch.ones_like(ids)}
+    settings = contextlib.nullcontext()
+    if method == "ssd":
+        kw.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0))
+    elif BASELINES[method] is not None:
+        kw["assistant_model"] = draft
+        settings = assistant_settings(draft, **BASELINES[method])
+    with settings, torch.inference_mode():
+        start = time.perf_counter()
+        out = target.generate(ids, **kw)
+        seconds = time.perf_counter() - start
+    return out[0, ids.shape[1]:].tolist(), seconds, hf_ssd.last_stats(target) if method == "ssd" else None
+
+
+def describe(stats) -> str:
+    shares = ", ".join(f"{name} {share:.0%}" for name, _, share in stats.option_shares()[:3])
+    acc = stats.accepted_tokens / stats.proposed_tokens if stats.proposed_tokens else 0.0
+    return (f"{stats.rounds} rounds, {stats.explored_rounds} explored, acceptance {acc:.0%}, "
+            f"hit rate {stats.hit_rate:.0%} of {stats.lookups} | {shares}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="the tiny random pair (smoke check; speeds mean nothing)")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--probe-tokens", type=int, default=24, help="new tokens of the baselines' thread probe")
+    args = p.parse_args(argv)
+    if args.tiny:
+        from hf_ssd.models.tiny import tiny_pair
+
+        target, draft, tok = tiny_pair()
+        torch.set_num_threads(1)
+    else:
+        from hf_ssd.models.pairs import load_default_pair
+
+        target, draft, tok = load_default_pair(dtype=torch.float32, device=torch.device("cpu"))
+    hf_ssd.enable(target)
+    for m in (target, draft):  # every call runs its full length: timings compare like with like
+        m.generation_config.eos_token_id = None
+    prompts = [torch.tensor([tok(t).input_ids]) for t in stdlib_prompts(args.prompts)]
+    new = args.max_new_tokens
+    with torch.inference_mode():  # 1. first-use costs of both models' kernels
+        for m in (target, draft):
+            m.generate(prompts[0], max_new_tokens=2, do_sample=False, attention_mask=torch.ones_like(prompts[0]))
+
+    reference = [call("target", target, draft, ids, new)[0] for ids in prompts[:1]]  # greedy reference of prompt 0
+    first_out, first_s, first_stats = call("ssd", target, draft, prompts[0], new)  # 2. the first call
+    threads = {}
+    for m in BASELINES:  # 3. the baselines' thread counts and their prompt-0 time
+        probe = {}
+        for n in (1, 2):
+            with torch_threads(n):
+                probe[n] = call(m, target, draft, prompts[0], args.probe_tokens)[1]
+        threads[m] = min(probe, key=probe.get)
+    first_base = {}
+    for m in BASELINES:
+        with torch_threads(threads[m]):
+            out, first_base[m], _ = call(m, target, draft, prompts[0], new)
+        assert out == reference[0], f"{m} differs from the target alone"
+    assert first_out == reference[0], "SSD's first call differs from the target alone"
+
+    totals = {m: 0.0 for m in (*BASELINES, "ssd")}  # 4. later calls
+    later_stats = []
+    methods = list(totals)
+    for i, ids in enumerate(prompts):
+        ref = None
+        for m in methods[i % len(methods):] + methods[: i % len(methods)]:
+            with torch_threads(threads.get(m)):
+                out, s, stats = call(m, target, draft, ids, new)
+            ref = out if m == "target" else ref
+            totals[m] += s
+            if stats is not None:
+                later_stats.append((out, stats))
+            else:
+                assert ref is None or out == ref, f"{m} differs from the target alone"
+        ssd_out = later_stats[-1][0]
+        assert ref is not None and ssd_out == ref, "SSD differs from the target alone"
+    tokens = new * len(prompts)
+
+    def best(times: dict) -> str:
+        return min(BASELINES, key=times.get)
+
+    print(f"{len(prompts)} stdlib prompts x {new} new tokens, greedy, {torch.get_num_threads()} torch threads "
+          f"(baselines at their best: {threads}); outputs identical to the target alone")
+    b = best(first_base)
+    print(f"first call (prompt 0): SSD {new / first_s:.2f} tok/s, " +
+          ", ".join(f"{m} {new / s:.2f}" for m, s in first_base.items()) +
+          f" -> SSD / best ({b}) = {first_base[b] / first_s:.3f}x")
+    print(f"  SSD's first call: {describe(first_stats)}")
+    b = best(totals)
+    print(f"later calls ({len(prompts)} prompts): " + ", ".join(f"{m} {tokens / s:.2f}" for m, s in totals.items()) +
+          f" tok/s -> SSD / best ({b}) = {totals[b] / totals['ssd']:.3f}x")
+    for _, stats in later_stats:
+        print(f"  SSD: {describe(stats)}")
+
+
+if __name__ == "__main__":
+    main()
