@@ -29,13 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
+
 import hf_ssd  # noqa: E402
 import hf_ssd.batch.plain as plain  # noqa: E402
 from hf_ssd import SSDConfig  # noqa: E402
 from hf_ssd.batch import loop  # noqa: E402
 from hf_ssd.bench.batched import left_pad, pad_token_id  # noqa: E402
 from hf_ssd.bench.prompts import encode_prompt, load_prompts  # noqa: E402
-from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
 
 
 class Clock(plain.StepClock):
