@@ -72,7 +72,9 @@ class SSDCandidateGenerator(CandidateGenerator):
         do_sample = bool(generation_config.do_sample)
         on_gpu = draft_model.device.type == "cuda"
         fixed_budget, _ = config.resolved_budget(on_gpu)
-        self.hooks = hooks or {}  # test/tooling hooks: stage name -> callable (fault injection, "options" filter)
+        # Test/tooling hooks: stage name -> callable (fault injection, "options" filter); "every_family": True
+        # makes a first call with no estimates try every option family once (`hf-ssd tune`).
+        self.hooks = hooks or {}
         # On a CPU shared with other work, one thread can beat all cores: AR and SD may also run with one.
         self.cpu_threads = cpu_threads
         fewer = (1,) if layout == "thread" and not config.is_set("cpu_threads") and (cpu_threads or 1) > 1 else ()
@@ -115,7 +117,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
                             if config.fanout == "calibrated" else None)
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline",
-                                   deferred_record=self.depth == 1 and getattr(self.drafter, "defers_record", False))
+                                   deferred_record=self.depth == 1 and getattr(self.drafter, "defers_record", False),
+                                   every_family=bool(self.hooks.get("every_family")))
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
         self.stats.profile = getattr(self.costs, "profile", None)  # the tuning profile the estimates started from (hf_ssd/profile.py)
         self.round = 0

@@ -1,8 +1,8 @@
 """Tuning profiles: a pair's measured scheduler costs, saved on disk and loaded by new processes.
 
-Each process starts with empty scheduler estimates: its first call on a pair runs the default option twice and
-then each other option family once to measure them (`schedule.Scheduler`), and a short call pays for that. A
-profile holds what a process measured (`costs.CostModel.state_dict`: verify and draft times, tree steps,
+Each process starts with empty scheduler estimates: its first call on a pair runs the default option three
+times and then each other kind once to measure them (`schedule.Scheduler.first_rounds`), and a short call pays
+for that. A profile holds what a process measured (`costs.CostModel.state_dict`: verify and draft times, tree steps,
 overheads, acceptance per position and by confidence, bonus ranks, miss ratios, per-option corrections, rounds
 seen; and the draft's acceptance calibration, `predictor.AcceptanceCalibration`). `hf-ssd tune` writes it
 (`save`); `costs.cost_model_for` loads it where it creates a pair's estimates for the first time in a process

@@ -130,7 +130,7 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
 
 class Scheduler:
     def __init__(self, config, costs: CostModel, options: list[Option], default: Option, inline: bool,
-                 deferred_record: bool = False, rows: int = 1):
+                 deferred_record: bool = False, rows: int = 1, every_family: bool = False):
         self.config = config
         # Rows of a batch (batch/loop.py): a round runs the miss fallback if any row misses.
         self.rows = rows
@@ -151,14 +151,34 @@ class Scheduler:
         for o in options:
             families.setdefault(o.family, []).append(o)
         self.families = families
-        # First rounds with no estimates: the default twice, then each other family once, so that every option
-        # can be predicted from measurements (unmeasured budgets are interpolated from measured ones).
-        self._queue: list[Option] = []
-        if costs.rounds_seen == 0:
-            self._queue = [default, default] + [
-                self._pick_gamma(fam, default.gamma) for name, fam in families.items()
-                if name != default.family and fam[0].budget not in WIDE_BUDGETS
-            ]
+        self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 else []
+
+    def first_rounds(self, every_family: bool = False) -> list[Option]:
+        """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
+        AR, plain SD) once, in its family nearest the default (the call's threads, no confidence stop, the
+        nearest budget).
+
+        Round 1's verification is the target's prompt prefill, and a round's verification runs alongside the
+        job of the round after it: the third default measures the default's verification beside its own job,
+        and SSD comes before AR so that a job runs beside some verification of candidates. The other options are
+        predicted from these measurements (an unmeasured budget from the nearest measured one, confidence-stopped
+        SD from the draft's confidences; a thread count not yet run is unknown, and exploration tries it)
+        rather than each tried once: trying each of the ~11 families cost a 48-token first call on the real
+        pair 12 of its 24 rounds (docs/performance.md). `every_family` (`hf-ssd tune`, which saves what a new
+        process starts from): the default twice, then each family once."""
+        default = self.default
+        if every_family:
+            return [default, default] + [self._pick_gamma(fam, default.gamma) for name, fam in self.families.items()
+                                         if name != default.family and fam[0].budget not in WIDE_BUDGETS]
+        queue = [default, default, default]
+        for kind in ("ssd", "ar", "sd"):
+            near = [fam for fam in self.families.values()
+                    if fam[0].kind == kind and not fam[0].threads and not fam[0].stop
+                    and fam[0].budget not in WIDE_BUDGETS]
+            if near and kind != default.kind:
+                fam = min(near, key=lambda f: abs(math.log2(max(f[0].budget, 1)) - math.log2(max(default.budget, 1))))
+                queue.append(self._pick_gamma(fam, default.gamma))
+        return queue
 
     @staticmethod
     def _pick_gamma(family: list[Option], gamma: int) -> Option:

@@ -29,9 +29,10 @@ from test_sampling import (
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.costs import CostModel, reset_estimates
+from hf_ssd.batch.loop import batch_options
+from hf_ssd.costs import CostModel, estimates_of, reset_estimates
 from hf_ssd.models.simulated import DeviceCost, simulate_device
-from hf_ssd.schedule import Option, Scheduler, allowed_options, expected_tokens
+from hf_ssd.schedule import WIDE_BUDGETS, Option, Scheduler, allowed_options, expected_tokens
 
 QUIET = {"hit_rate_warning": 0.0}
 
@@ -259,6 +260,35 @@ def test_sampling_distribution_under_each_option_and_switching(pair, monkeypatch
 
 
 # ----- estimates across calls, stats, warning --------------------------------------------------------------------
+
+
+def test_first_rounds_measure_each_kind_once_and_leave_every_option_predicted(target, draft):
+    config = SSDConfig(**QUIET)
+    options = allowed_options(config, "thread", 1)
+    default = Option("ssd", 4, 1)
+    cold = Scheduler(config, CostModel(False, 17, 0.7), options, default, inline=False)._queue
+    assert cold == [default] * 3 + [Option("ar"), Option("sd", 4)]
+    # `hf-ssd tune`'s call: every family but the wide budgets once.
+    every = Scheduler(config, CostModel(False, 17, 0.7), options, default, inline=False, every_family=True)._queue
+    assert every[:2] == [default, default] and len(every) == len({o.family for o in every[1:]}) + 1
+    assert {o.family for o in every} == {o.family for o in options if o.budget not in WIDE_BUDGETS}
+    # A batch's default is plain SD: SSD (nearest budget) before AR, so that its job runs beside a verification.
+    batch, batch_default = batch_options(config, 1, {})
+    assert (Scheduler(config, CostModel(False, 17, 0.7), batch, batch_default, inline=False, rows=4)._queue
+            == [Option("sd", 4)] * 3 + [Option("ssd", 4, 1), Option("ar")])
+    # A real first call runs them, and its measurements predict every option (the wide budgets included).
+    reset_estimates(target)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    target.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, assistant_model=draft,
+                    ssd_config=SSDConfig(record_timeline=True, **QUIET))
+    stats = hf_ssd.last_stats(target)
+    assert [e["option"] for e in stats.timeline[:5]] == [o.name for o in cold]
+    assert stats.layout == "thread"
+    [(_, costs)] = estimates_of(target, draft)
+    measured = Scheduler(config, costs, options, default, inline=False, deferred_record=True)
+    assert not measured._queue
+    assert [o.name for o in options if measured.predict(o) is None] == []
+
 
 
 def test_second_call_starts_informed_and_stats_report_the_schedule(target, draft):

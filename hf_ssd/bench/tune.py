@@ -31,10 +31,11 @@ from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, WIDE_BUDGETS, Option, Schedule
 SAMPLE_TEMPERATURE = 0.7
 
 
-def _measure(target, draft, prompts, max_new_tokens, do_sample, config, only=None, seed=0):
+def _measure(target, draft, prompts, max_new_tokens, do_sample, config, only=None, seed=0, hooks=None):
     """(tok/s over all prompts, last stats, outputs) of SSD calls restricted to option `only` (None: unrestricted);
-    with `config=None`, of the target alone (AR; stats None)."""
-    hooks = {"options": lambda options: [o for o in options if o == only]} if only is not None else None
+    with `config=None`, of the target alone (AR; stats None). `hooks`: the generator's (hf_ssd/generator.py)."""
+    if only is not None:
+        hooks = {**(hooks or {}), "options": lambda options: [o for o in options if o == only]}
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
     if do_sample:
         kwargs["temperature"] = SAMPLE_TEMPERATURE
@@ -124,13 +125,13 @@ def _run_tune(target, draft, prompts, max_new_tokens, gammas, budgets, do_sample
     top_k = max(o.budget for o in allowed_options(base, stats.layout, 1, wide=not static)) + 1  # as the generator keys it
     costs = cost_model_for(target, draft, draft.device, stats.layout, do_sample, top_k, base.initial_acceptance)
     # The scheduler's other families (confidence-stopped SD, SSD at 16, the one-thread AR and SD of a CPU with more
-    # threads) are not measured above. One call that runs a new pair's first-call exploration (the default twice,
-    # then each other family once: `Scheduler`, on a model with no rounds seen) measures them as a process's first
-    # call would, so that the profile saved at the end leaves a new process nothing to explore.
+    # threads) are not measured above. One call that starts as on a pair with no estimates, trying the default
+    # twice and then each other family once (`Scheduler.first_rounds(every_family=True)`), measures them, so that
+    # the profile saved at the end leaves a new process nothing to explore.
     bar.set_postfix_str("each family once")
     seen, costs.rounds_seen = costs.rounds_seen, 0
     try:
-        _measure(target, draft, prompts[:1], max_new_tokens, do_sample, base)
+        _measure(target, draft, prompts[:1], max_new_tokens, do_sample, base, hooks={"every_family": True})
     finally:
         costs.rounds_seen += seen
     bar.update(1)
