@@ -32,7 +32,7 @@ from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import Outcome, predict_outcomes
 from .predictor import calibration_for, drafted_probs, hedged_length_probs, rank_outcomes
-from .schedule import LATE_GRACE, Option, Scheduler, allowed_options
+from .schedule import CATCH_UP_TOKENS, LATE_GRACE, Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
 from .stats import SSDStats
@@ -129,7 +129,9 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.draft_intervals: list[tuple[float, float]] = []
         # Scheduling state: the option deciding the next round, the one whose candidates are being verified,
         # the job running during this verification (its budget, the hit rate predicted for it, its timings).
-        self._next: tuple[Option, object, bool] = self.scheduler.decide()  # round 1's option
+        # Round 1's option; the new draft has read none of the prompt.
+        self.scheduler.draft_lag = prompt_mask.shape[-1] if prompt_mask is not None else 0
+        self._next: tuple[Option, object, bool] = self.scheduler.decide()
         self._current: tuple[Option, object, bool] | None = None
         self._round_start = 0.0
         self._job_budget: int | None = None
@@ -176,6 +178,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             # decision needs. The job's own timings and this outcome inform the next one.
             self.speculator.signal()
             with self.costs.lock:
+                self.scheduler.draft_lag = self._draft_lag(context)
                 decided = self.scheduler.decide()
             self.speculator.collect()  # waits for the job; re-raises its error here
             if self._outcome is not None:
@@ -215,6 +218,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.stats.cache_misses += 1
                 self.stats.fallbacks[kind] = self.stats.fallbacks.get(kind, 0) + 1
                 self.costs.add_lookup(job_budget, False, self._job_predicted)
+            lag = self._draft_lag(context)
             d0 = time.perf_counter()
             with self.speculator.on_critical_path():
                 result = run_fallback(
@@ -227,7 +231,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 draft_seconds = d1 - d0
                 self.draft_intervals.append((d0, d1))
                 self.stats.fallback_draft_time += draft_seconds
-                if self.round > 0:  # round 1 includes the draft's prompt prefill
+                if self.round > 0 and lag <= CATCH_UP_TOKENS:  # not a draft step's cost: the prompt, a catch-up
                     self.costs.add_draft(len(result.tokens), draft_seconds, option.threads)
             tokens, logits = result.tokens, result.logits
             event["hit"] = False
@@ -249,6 +253,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         # pre-draft if this verification surely ends the generation (length budget spent).
         if decided is None:  # round 1
             with self.costs.lock:
+                self.scheduler.draft_lag = self._draft_lag(context)
                 decided = self.scheduler.decide()
         self._next = decided
         nxt = self._next[0]
@@ -328,6 +333,11 @@ class SSDCandidateGenerator(CandidateGenerator):
             self.stats.timeline[-1].update(t_verified=time.perf_counter(), accepted=k)
 
     # ----- speculation ------------------------------------------------------------------------------------
+    def _draft_lag(self, context: list[int]) -> int:
+        """Context tokens the draft has not read (it skips AR rounds); a length, not a prefix compare: a job
+        may be extending the draft's ids meanwhile."""
+        return max(0, len(context) - len(self.drafter.ids))
+
     def _cut_at_eos(self, tokens, logits):
         for i, t in enumerate(tokens):
             if t in self.eos:  # drafting past EOS is wasted verification work

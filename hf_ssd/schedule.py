@@ -37,6 +37,10 @@ CONFIDENCE_STOPS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # thresholds the schedul
 EXPLORE = 0.08  # share of rounds that try another option family while estimates are young
 EXPLORE_MIN = 0.02
 EXPLORE_FLOOR = 0.5  # families predicted under this share of the best rate are not explored
+# Context tokens the draft may lag behind (after AR rounds, or in a call that began with AR) for a drafting
+# family to be explored or a round's draft time to be measured: catching up is a prefill (the real pair on CPU:
+# ~1.5 s for a 450-token prompt, 6 AR steps), which one exploring round would pay and mis-measure.
+CATCH_UP_TOKENS = 64
 LATE_GRACE = 0.5  # a job step may end this share of a step after the expected outcome (generator `_submit`)
 FULL_EVERY = 4  # decisions between two predictions of every option
 SHORTLIST = 8  # options re-predicted at the other decisions: the best of the last full pass
@@ -152,6 +156,7 @@ class Scheduler:
             families.setdefault(o.family, []).append(o)
         self.families = families
         self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 else []
+        self.draft_lag = 0  # context tokens the draft has not yet read (set by the loop before each decision)
 
     def first_rounds(self, every_family: bool = False) -> list[Option]:
         """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
@@ -361,7 +366,8 @@ class Scheduler:
         rates = {name: max((p.rate for p in map(predictions.get, fam) if p is not None), default=None)
                  for name, fam in self.families.items() if name != best.family and fam[0].budget not in WIDE_BUDGETS}
         floor = EXPLORE_FLOOR * pred.rate if pred is not None else 0.0
-        worth = [name for name, r in rates.items() if r is None or r >= floor]
+        worth = [name for name, r in rates.items() if (r is None or r >= floor)
+                 and (self.draft_lag <= CATCH_UP_TOKENS or self.families[name][0].kind == "ar")]
         if worth and self.rng.random() < epsilon:
             family = self.rng.choice(worth)
             # Within the family, the gamma the model likes best (or the default's when it cannot say yet).

@@ -32,7 +32,7 @@ from hf_ssd import SSDConfig
 from hf_ssd.batch.loop import batch_options
 from hf_ssd.costs import CostModel, estimates_of, reset_estimates
 from hf_ssd.models.simulated import DeviceCost, simulate_device
-from hf_ssd.schedule import WIDE_BUDGETS, Option, Scheduler, allowed_options, expected_tokens
+from hf_ssd.schedule import CATCH_UP_TOKENS, WIDE_BUDGETS, Option, Scheduler, allowed_options, expected_tokens
 
 QUIET = {"hit_rate_warning": 0.0}
 
@@ -397,6 +397,27 @@ def test_measured_rounds_correct_a_wrong_model():
     assert scheduler.predict(first).tokens == pytest.approx(model.tokens * costs.correction(first)[0])
     assert costs.correction(first)[0] < 0.5
     assert scheduler.best()[0] != first
+
+
+def test_exploration_tries_no_drafting_family_while_the_draft_lags():
+    """A drafting round whose draft must first read many context tokens (it skipped AR rounds, or the call began
+    with AR) pays a prefill, which one exploring round would mis-measure: while the draft lags, only AR is
+    explored."""
+    costs = fed_costs(0.8, 1.0, lambda b: 1.0, 0.25, lambda w: 0.25, RANKS)
+    config = SSDConfig()
+    scheduler = Scheduler(config, costs, allowed_options(config, "thread", 1), Option("ssd", 4, 1), inline=False)
+
+    class Explore(random.Random):
+        def random(self):  # every decision explores
+            return 0.0
+
+    def explored(lag):
+        scheduler.draft_lag, scheduler.rng = lag, Explore(0)
+        return [o for o, _, e in (scheduler.decide() for _ in range(60)) if e]
+
+    near = explored(CATCH_UP_TOKENS)
+    assert len(near) == 60 and {o.kind for o in near} - {"ar"}, near
+    assert {o.kind for o in explored(CATCH_UP_TOKENS + 1)} <= {"ar"}
 
 
 # ----- hit-rate calibration: measured misses against the model's own predictions ----------------------------------
