@@ -130,8 +130,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         # Scheduling state: the option deciding the next round, the one whose candidates are being verified,
         # the job running during this verification (its budget, the hit rate predicted for it, its timings).
         # Round 1's option; the new draft has read none of the prompt.
-        self.scheduler.draft_lag = prompt_mask.shape[-1] if prompt_mask is not None else 0
-        self._next: tuple[Option, object, bool] = self.scheduler.decide()
+        self._next: tuple[Option, object, bool] = self.scheduler.decide(
+            prompt_mask.shape[-1] if prompt_mask is not None else 0)
         self._current: tuple[Option, object, bool] | None = None
         self._round_start = 0.0
         self._job_budget: int | None = None
@@ -178,8 +178,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             # decision needs. The job's own timings and this outcome inform the next one.
             self.speculator.signal()
             with self.costs.lock:
-                self.scheduler.draft_lag = self._draft_lag(context)
-                decided = self.scheduler.decide()
+                decided = self.scheduler.decide(self._draft_lag(context))
             self.speculator.collect()  # waits for the job; re-raises its error here
             if self._outcome is not None:
                 self._measure_outcome()
@@ -253,8 +252,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         # pre-draft if this verification surely ends the generation (length budget spent).
         if decided is None:  # round 1
             with self.costs.lock:
-                self.scheduler.draft_lag = self._draft_lag(context)
-                decided = self.scheduler.decide()
+                decided = self.scheduler.decide(self._draft_lag(context))
         self._next = decided
         nxt = self._next[0]
         self._job_budget = None

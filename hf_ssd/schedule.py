@@ -156,7 +156,6 @@ class Scheduler:
             families.setdefault(o.family, []).append(o)
         self.families = families
         self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 else []
-        self.draft_lag = 0  # context tokens the draft has not yet read (set by the loop before each decision)
 
     def first_rounds(self, every_family: bool = False) -> list[Option]:
         """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
@@ -178,9 +177,9 @@ class Scheduler:
         queue = [default, default, default]
         for kind in ("ssd", "ar", "sd"):
             near = [fam for fam in self.families.values()
-                    if fam[0].kind == kind and not fam[0].threads and not fam[0].stop
+                    if fam[0].kind == kind and kind != default.kind and not fam[0].threads and not fam[0].stop
                     and fam[0].budget not in WIDE_BUDGETS]
-            if near and kind != default.kind:
+            if near:
                 fam = min(near, key=lambda f: abs(math.log2(max(f[0].budget, 1)) - math.log2(max(default.budget, 1))))
                 queue.append(self._pick_gamma(fam, default.gamma))
         return queue
@@ -340,8 +339,9 @@ class Scheduler:
                 best, best_pred = o, pred
         return (best, best_pred) if best is not None else (self.default, None)
 
-    def decide(self) -> tuple[Option, Prediction | None, bool]:
-        """(option for the next round, its prediction, whether this is an exploration round)."""
+    def decide(self, draft_lag: int = 0) -> tuple[Option, Prediction | None, bool]:
+        """(option for the next round, its prediction, whether this is an exploration round); `draft_lag`: context
+        tokens the draft has not read yet."""
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
@@ -367,7 +367,7 @@ class Scheduler:
                  for name, fam in self.families.items() if name != best.family and fam[0].budget not in WIDE_BUDGETS}
         floor = EXPLORE_FLOOR * pred.rate if pred is not None else 0.0
         worth = [name for name, r in rates.items() if (r is None or r >= floor)
-                 and (self.draft_lag <= CATCH_UP_TOKENS or self.families[name][0].kind == "ar")]
+                 and (draft_lag <= CATCH_UP_TOKENS or self.families[name][0].kind == "ar")]
         if worth and self.rng.random() < epsilon:
             family = self.rng.choice(worth)
             # Within the family, the gamma the model likes best (or the default's when it cannot say yet).

@@ -188,7 +188,7 @@ def test_simulated_on_core_picks_plain_sd(sim_pair):
 
 def force(monkeypatch, choose):
     """Replace the scheduler's decision by `choose(options) -> Option` (predictions left out)."""
-    monkeypatch.setattr(Scheduler, "decide", lambda self: (choose(self.options), None, False))
+    monkeypatch.setattr(Scheduler, "decide", lambda self, draft_lag=0: (choose(self.options), None, False))
 
 
 def pick(kind: str, budget: int = 0):
@@ -288,7 +288,6 @@ def test_first_rounds_measure_each_kind_once_and_leave_every_option_predicted(ta
     measured = Scheduler(config, costs, options, default, inline=False, deferred_record=True)
     assert not measured._queue
     assert [o.name for o in options if measured.predict(o) is None] == []
-
 
 
 def test_second_call_starts_informed_and_stats_report_the_schedule(target, draft):
@@ -412,8 +411,8 @@ def test_exploration_tries_no_drafting_family_while_the_draft_lags():
             return 0.0
 
     def explored(lag):
-        scheduler.draft_lag, scheduler.rng = lag, Explore(0)
-        return [o for o, _, e in (scheduler.decide() for _ in range(60)) if e]
+        scheduler.rng = Explore(0)
+        return [o for o, _, e in (scheduler.decide(lag) for _ in range(60)) if e]
 
     near = explored(CATCH_UP_TOKENS)
     assert len(near) == 60 and {o.kind for o in near} - {"ar"}, near
