@@ -75,6 +75,12 @@ class SSDConfig:
             fan-out tokens are scaled by C before drafting, so that a rejection's residual lands on tokens the
             cache holds. `None` drafts from the plain draft distribution. Exact either way; no effect in greedy.
         initial_acceptance: acceptance-rate prior used before any round was verified.
+        warmup_budget: with `schedule="auto"`, how much learning whether drafting pays may cost a pair with no
+            measurements yet, as a share of its decode time. Until the predicted cost of learning at its worst (the
+            draft reading the context, then a few drafting rounds that accept nothing) fits within this share of
+            the pair's decode time so far plus the call's, rounds run the target alone (AR), so a short first call
+            is not slowed by exploring (docs/scheduling.md, "Warm-up"). A tuning profile (`hf-ssd tune`) starts a
+            process past the warm-up. `None`: learn in the first call, whatever it costs.
         layout: where the speculator runs: `"auto"`, `"thread"` (CPU thread), `"stream"` (own CUDA stream on
             the target's GPU), `"device"` (draft on its own device), `"inline"` (no overlap; for comparison).
         cpu_threads: torch intra-op threads for each of verifier and speculator on CPU (`None`: the caller's
@@ -110,6 +116,7 @@ class SSDConfig:
     ngram_size: int = 3
     saguaro_c: float | None = None
     initial_acceptance: float = 0.7
+    warmup_budget: float | None = 0.03
     layout: Literal["auto", "thread", "stream", "device", "inline"] = "auto"
     cpu_threads: int | None = None
     hit_rate_warning: float = 0.6
@@ -194,6 +201,11 @@ class SSDConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise SSDConfigError(f"SSDConfig.{name} must be a float in [0, 1], got {value!r}.")
+        if self.warmup_budget is not None and (
+                isinstance(self.warmup_budget, bool) or not isinstance(self.warmup_budget, (int, float))
+                or not 0.0 < self.warmup_budget <= 1.0):
+            raise SSDConfigError(f"SSDConfig.warmup_budget must be a float in (0, 1] (a share of decode time) or None "
+                                 f"(learn at once), got {self.warmup_budget!r}.")
         _check_choice("layout", self.layout, LAYOUTS)
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)

@@ -233,6 +233,13 @@ class CostModel:
         self.loop_speedup = Ewma(decay=0.7)
         self.draft_prefill = LinearFit(_proportional)
         self.plain_streak = 0
+        # The warm-up (schedule.Scheduler.warmup_fits): the target's prompt prefill by tokens, the seconds of
+        # rounds run on this pair, and, until the draft's own costs are measured, its cost per token read as a
+        # share of the target's (`cost_model_for` sets it from parameter counts) and a step's time.
+        self.prefill = LinearFit(_proportional)
+        self.work_s = 0.0
+        self.draft_share = 0.5
+        self.draft_step_hint: float | None = None  # a draft step as its probe timed it (probe.step_seconds)
         # Per option: decayed sums of (rounds, measured tokens, predicted tokens, measured s, predicted s)
         # over its rounds, which correct what the model gets wrong about it (e.g. acceptance that is not
         # independent per position, costs that are not linear).
@@ -348,8 +355,18 @@ class CostModel:
         self.draft_prefill.update(tokens, seconds)
 
     @_locked
-    def add_round(self) -> None:
+    def add_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill.update(tokens, seconds)
+
+    @_locked
+    def add_round(self, seconds: float = 0.0) -> None:
         self.rounds_seen += 1
+        self.work_s += seconds
+
+    @property
+    def drafted(self) -> bool:
+        """Whether any drafting was measured on this pair (the warm-up is over)."""
+        return bool(self.draft.count or self.draft_with or self.verify_overlapped or self.tree_step.count)
 
     @_locked
     def add_overhead(self, budget: int, seconds: float) -> None:
@@ -550,7 +567,7 @@ class CostModel:
             "confidence_seen": list(self.confidence_seen), "confidence_accepted": list(self.confidence_accepted),
             "rounds_seen": self.rounds_seen,
             "plain_step": self.plain_step.state_dict(), "loop_speedup": self.loop_speedup.state_dict(),
-            "draft_prefill": self.draft_prefill.state_dict(),
+            "draft_prefill": self.draft_prefill.state_dict(), "prefill": self.prefill.state_dict(),
             # Options are frozen dataclasses (schedule.Option): saved by their fields.
             "outcomes": [[dataclasses.asdict(o), list(v)] for o, v in self.outcomes.items()
                          if dataclasses.is_dataclass(o)],
@@ -602,6 +619,8 @@ class CostModel:
                 "loop_speedup": fit(state.get("loop_speedup", Ewma().state_dict()), lambda: Ewma(decay=0.7)),
                 "draft_prefill": fit(state.get("draft_prefill", LinearFit(_proportional).state_dict()),
                                      lambda: LinearFit(_proportional)),
+                "prefill": fit(state.get("prefill", LinearFit(_proportional).state_dict()),
+                               lambda: LinearFit(_proportional)),
                 "outcomes": {Option(**o): _nums(v, 5) for o, v in state["outcomes"]},
             }
             if new["tried"] <= 0 or new["rounds_seen"] < 0:
@@ -636,10 +655,19 @@ def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: i
         if model is None:
             model = per_target[key] = CostModel(getattr(device, "type", str(device)) == "cuda", top_k,
                                                 initial_acceptance)
+            model.draft_share = _parameter_share(draft, target)
             from . import profile  # it reads the models' weights and files: only on a model's first use
 
             profile.attach(model, target, draft, layout, bool(do_sample), top_k, draft_matmul)
         return model
+
+
+def _parameter_share(draft, target) -> float:
+    """The draft's parameters over the target's: a forward's cost per token scales about so at batch 1."""
+    def count(m):
+        return sum(p.numel() for p in m.parameters()) if hasattr(m, "parameters") else 0
+    d, t = count(draft), count(target)
+    return min(1.0, d / t) if d and t else 0.5
 
 
 def estimates_of(target, draft) -> list[tuple[tuple, CostModel]]:

@@ -32,6 +32,7 @@ from .fallback import run_fallback
 from .fanout import AcceptanceTracker, geometric_fanout
 from .outcomes import Outcome, predict_outcomes
 from .predictor import calibration_for, drafted_probs, hedged_length_probs, rank_outcomes
+from .probe import step_seconds
 from .schedule import CATCH_UP_TOKENS, LATE_GRACE, Option, Scheduler, allowed_options
 from .speculator import Speculator
 from .static_draft import make_drafter
@@ -113,12 +114,15 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
         with self.costs.lock:
             self.costs.new_call()  # new text: earlier acceptance counts weigh less
+            if self.costs.draft_step_hint is None:
+                self.costs.draft_step_hint = step_seconds(draft_model)
         # fanout="calibrated": P(accept | the draft's probability) learned from verifications, kept per draft.
         self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
                             if config.fanout == "calibrated" else None)
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline",
                                    deferred_record=self.depth == 1 and getattr(self.drafter, "defers_record", False),
-                                   every_family=bool(self.hooks.get("every_family")))
+                                   every_family=bool(self.hooks.get("every_family")),
+                                   warmup_budget=config.warmup_budget if config.schedule == "auto" else None)
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
         self.stats.profile = getattr(self.costs, "profile", None)  # the tuning profile the estimates started from (hf_ssd/profile.py)
         self.round = 0
@@ -130,8 +134,8 @@ class SSDCandidateGenerator(CandidateGenerator):
         # Scheduling state: the option deciding the next round, the one whose candidates are being verified,
         # the job running during this verification (its budget, the hit rate predicted for it, its timings).
         # Round 1's option; the new draft has read none of the prompt.
-        self._next: tuple[Option, object, bool] = self.scheduler.decide(
-            prompt_mask.shape[-1] if prompt_mask is not None else 0)
+        prompt = prompt_mask.shape[-1] if prompt_mask is not None else 0
+        self._next: tuple[Option, object, bool] = self.scheduler.decide(prompt, prompt, self.max_length - prompt)
         self._current: tuple[Option, object, bool] | None = None
         self._round_start = 0.0
         self._job_budget: int | None = None
@@ -178,7 +182,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             # decision needs. The job's own timings and this outcome inform the next one.
             self.speculator.signal()
             with self.costs.lock:
-                decided = self.scheduler.decide(self._draft_lag(context))
+                decided = self._decide(context)
             self.speculator.collect()  # waits for the job; re-raises its error here
             if self._outcome is not None:
                 self._measure_outcome()
@@ -232,6 +236,8 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.stats.fallback_draft_time += draft_seconds
                 if self.round > 0 and lag <= CATCH_UP_TOKENS:  # not a draft step's cost: the prompt, a catch-up
                     self.costs.add_draft(len(result.tokens), draft_seconds, option.threads)
+                elif lag > CATCH_UP_TOKENS and not option.threads:  # mostly reading: what a catch-up costs
+                    self.costs.add_draft_prefill(lag, draft_seconds)
             tokens, logits = result.tokens, result.logits
             event["hit"] = False
         tokens, logits = self._cut_at_eos(tokens, logits)
@@ -252,7 +258,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         # pre-draft if this verification surely ends the generation (length budget spent).
         if decided is None:  # round 1
             with self.costs.lock:
-                decided = self.scheduler.decide(self._draft_lag(context))
+                decided = self._decide(context)
         self._next = decided
         nxt = self._next[0]
         self._job_budget = None
@@ -293,7 +299,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             overlapped = self._job_budget is not None and not self.scheduler.inline
             self.costs.add_verify(len(self._pending[1]), now - self._verify_start,
                                   self._job_budget if overlapped else None, option.threads)
-        self.costs.add_round()
+        elif self._job_budget is None and not option.threads:
+            self.costs.add_prefill(sum(map(len, self._pending)), now - self._verify_start)
+        self.costs.add_round(now - self._round_start)
 
     def _measure_outcome(self) -> None:
         """Where the bonus ranked among the draft's top tokens, the job's hit, and the job's own timings."""
@@ -331,6 +339,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             self.stats.timeline[-1].update(t_verified=time.perf_counter(), accepted=k)
 
     # ----- speculation ------------------------------------------------------------------------------------
+    def _decide(self, context: list[int]):
+        return self.scheduler.decide(self._draft_lag(context), len(context), self.max_length - len(context))
+
     def _draft_lag(self, context: list[int]) -> int:
         """Context tokens the draft has not read (it skips AR rounds); a length, not a prefix compare: a job
         may be extending the draft's ids meanwhile."""
@@ -562,3 +573,4 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.draft_forwards = self.drafter.forwards
         budgets = sorted({o.budget for o in self.options if o.kind == "ssd"})
         self.stats.cost_model = self.costs.snapshot(self.scheduler.default.gamma, budgets)
+        self.stats.warmup_rounds, self.stats.warming_up = self.scheduler.warmup_rounds, self.scheduler.warming

@@ -10,6 +10,7 @@ rather than the position ids, as in TrOCR or GIT) only costs acceptance, so it i
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
 import torch
@@ -20,7 +21,7 @@ from .outcomes import Outcome
 
 logger = logging.getLogger("hf_ssd")
 
-_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> True once it passed
+_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> once it passed: its step's seconds, or True
 # Errors an architecture raises on inputs it cannot take (shapes, masks, kwargs). Anything else (an interrupt, a
 # fault planted by a test, CUDA out of memory) is not about the architecture and propagates unchanged.
 _SHAPE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError)
@@ -28,7 +29,7 @@ _SHAPE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AttributeError
 
 @torch.no_grad()
 def probe_draft(model) -> None:
-    if _probed.get(model):
+    if model in _probed:
         return
     drafter = Drafter(model, None, do_sample=False, top_k=1)
     vocab = max(2, min(drafter.out_vocab, drafter.in_vocab or drafter.out_vocab))
@@ -44,11 +45,13 @@ def probe_draft(model) -> None:
             f"drafter's batched step (a left-padded batch with a 2D attention mask and position ids): "
             f"{type(exc).__name__}: {exc}. Use a draft of a standard decoder-only family (e.g. Llama, Qwen, Gemma)."
         ) from exc
-    worst = 0.0
+    worst, seconds = 0.0, None
     for state, _ in drafted:
         o = state.outcome
         branch = seq[:4 + o.accepted] + [o.bonus]
+        start = time.perf_counter()
         ref = torch.softmax(model(input_ids=torch.tensor([branch], device=drafter.device)).logits[0, -1].float(), -1)
+        seconds = time.perf_counter() - start  # the last one: the first has faulted the weights in
         values, ids = state.top[4 + o.accepted]
         worst = max(worst, float((values - ref[: drafter.out_vocab].cpu()[ids]).abs().max()))
     if worst > 0.05:
@@ -56,4 +59,12 @@ def probe_draft(model) -> None:
             "hf_ssd: the draft %s computes branch tokens differently in a batch than alone (probability gap %.2f); "
             "output stays exact, but acceptance and cache hits may be low.", type(model).__name__, worst,
         )
-    _probed[model] = True
+    _probed[model] = seconds if seconds is not None else True
+
+
+def step_seconds(model) -> float | None:
+    """Seconds of one short forward of the draft, timed by its probe: the warm-up's view of a draft step before
+    any drafting is measured (schedule.Scheduler.warmup_cost); it reads a few tokens, so it bounds a step from
+    above."""
+    seconds = _probed.get(model)
+    return seconds if isinstance(seconds, float) else None

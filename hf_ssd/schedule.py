@@ -73,6 +73,9 @@ class Option:
         return f"{self.kind}{'c' if self.stop else ''}{self.threads or ''}"
 
 
+AR = Option("ar")
+
+
 @dataclass
 class Prediction:
     tokens: float  # expected new tokens per round
@@ -134,7 +137,8 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
 
 class Scheduler:
     def __init__(self, config, costs: CostModel, options: list[Option], default: Option, inline: bool,
-                 deferred_record: bool = False, rows: int = 1, every_family: bool = False):
+                 deferred_record: bool = False, rows: int = 1, every_family: bool = False,
+                 warmup_budget: float | None = None):
         self.config = config
         # Rows of a batch (batch/loop.py): a round runs the miss fallback if any row misses.
         self.rows = rows
@@ -155,7 +159,11 @@ class Scheduler:
         for o in options:
             families.setdefault(o.family, []).append(o)
         self.families = families
-        self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 else []
+        # The warm-up (`warmup_fits`): a pair that has never drafted runs AR until learning fits its budget.
+        self.warmup_budget = warmup_budget
+        self.warmup_rounds = 0
+        self.warming = (warmup_budget is not None and not every_family and AR in options and not costs.drafted)
+        self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 and not self.warming else []
 
     def first_rounds(self, every_family: bool = False) -> list[Option]:
         """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
@@ -183,6 +191,35 @@ class Scheduler:
                 fam = min(near, key=lambda f: abs(math.log2(max(f[0].budget, 1)) - math.log2(max(default.budget, 1))))
                 queue.append(self._pick_gamma(fam, default.gamma))
         return queue
+
+    def learning_rounds(self) -> list[Option]:
+        """The rounds that end a warm-up: plain SD first (the round before it, AR, then runs no job: round 1's is
+        the prompt prefill), then `first_rounds` less AR, which the warm-up has measured."""
+        sd = [fam for name, fam in self.families.items() if name == "sd"]
+        head = [self._pick_gamma(sd[0], self.default.gamma)] if sd else []
+        return head + [o for o in self.first_rounds() if o.kind != "ar"]
+
+    def warmup_cost(self, context: int) -> float | None:
+        """Seconds that learning whether drafting pays would cost at worst, from what the warm-up measured: the
+        draft reading `context` tokens (the target's prefill of them at the draft's share of its parameters),
+        then `learning_rounds` that accept nothing, each drafting its gamma (a step as the draft's probe timed
+        it) and making the target verify that many more tokens (at what its prefill cost beyond one AR step, per
+        further token). None until the target's prefill and an AR step are measured."""
+        c = self.costs
+        t_ar, prefill = c.verify(0, None), c.prefill.predict(max(1, context))
+        if t_ar is None or prefill is None:
+            return None
+        read = c.draft_prefill.predict(context) if c.draft_prefill.count else c.draft_share * prefill
+        step = c.draft_step_hint if c.draft_step_hint is not None else c.draft_share * t_ar
+        per_token = max(0.0, prefill - t_ar) / max(1, context - 1)
+        return read + sum(o.gamma * (step + per_token) for o in self.learning_rounds())
+
+    def warmup_fits(self, context: int, remaining: int) -> bool:
+        """Whether learning fits the warm-up budget: its worst-case cost within `warmup_budget` of the pair's
+        decode time so far and the AR time of the call's `remaining` tokens. A short call on a pair that has never
+        drafted then runs as the target alone; longer ones, or later calls, learn (docs/scheduling.md)."""
+        cost, t_ar = self.warmup_cost(context), self.costs.verify(0, None)
+        return cost is not None and cost <= self.warmup_budget * (self.costs.work_s + remaining * t_ar)
 
     @staticmethod
     def _pick_gamma(family: list[Option], gamma: int) -> Option:
@@ -339,9 +376,18 @@ class Scheduler:
                 best, best_pred = o, pred
         return (best, best_pred) if best is not None else (self.default, None)
 
-    def decide(self, draft_lag: int = 0) -> tuple[Option, Prediction | None, bool]:
+    def decide(self, draft_lag: int = 0, context: int = 0, remaining: int = 0) -> tuple[Option, Prediction | None, bool]:
         """(option for the next round, its prediction, whether this is an exploration round); `draft_lag`: context
-        tokens the draft has not read yet."""
+        tokens the draft has not read yet; `context`: tokens the target has; `remaining`: new tokens the call may
+        still make."""
+        if self.warming:
+            # Round 1 is AR whatever the budget: a learning round there would run beside the prompt prefill.
+            if self._decisions == 0 or not self.warmup_fits(context, remaining):
+                self._decisions += 1
+                self.warmup_rounds += 1
+                return AR, self.predict(AR), False
+            self.warming = False
+            self._queue = self.learning_rounds()
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
@@ -360,6 +406,16 @@ class Scheduler:
                 for o in self._shortlist:
                     predictions[o] = self.predict(o)
         best, pred = self.best(predictions)
+        ar = predictions.get(AR)
+        if draft_lag > CATCH_UP_TOKENS and best.kind != "ar" and ar is not None and pred is not None and remaining:
+            # Drafting now first makes the draft read what it lags: worth it only if the call's remaining tokens
+            # repay that prefill.
+            c = self.costs
+            read = c.draft_prefill.predict(draft_lag) if c.draft_prefill.count else None
+            if read is None and c.prefill.count:
+                read = c.draft_share * c.prefill.predict(draft_lag)
+            if read is not None and remaining / ar.rate <= read + remaining / pred.rate:
+                best, pred = AR, ar
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
         # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.
         epsilon = max(EXPLORE_MIN, EXPLORE / math.sqrt(max(1.0, self.costs.rounds_seen / 25)))

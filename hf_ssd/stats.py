@@ -79,6 +79,10 @@ class SSDStats:
     schedule: str = ""
     options: dict = field(default_factory=dict)
     explored_rounds: int = 0
+    # Rounds run as the target alone because the pair has not drafted yet and learning would not fit
+    # `SSDConfig.warmup_budget` (schedule.Scheduler.warmup_fits); True in `warming_up`: still so at the end.
+    warmup_rounds: int = 0
+    warming_up: bool = False
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
     cost_model: dict = field(default_factory=dict)
@@ -187,8 +191,15 @@ class SSDStats:
             f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
             f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted {self.predicted_hit_rate:.1%})"
             f"{self._depth_summary()} | bubble ratio {self.bubble_ratio:.1%} | "
-            f"{self.schedule_summary()}{self._profile_summary()}"
+            f"{self.schedule_summary()}{self._profile_summary()}{self._warmup_summary()}"
         )
+
+    def _warmup_summary(self) -> str:
+        if not self.warming_up:
+            return ""
+        return (f" | warm-up: the target alone, {self.warmup_rounds} rounds (learning whether drafting pays would "
+                "cost more than SSDConfig.warmup_budget of decode time so far; later or longer calls learn, "
+                "`hf-ssd tune` skips it)")
 
     def _profile_summary(self) -> str:
         if not self.profile:

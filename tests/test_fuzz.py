@@ -91,6 +91,7 @@ def ssd_configs(draw) -> SSDConfig:
         ngram_size=draw(st.integers(1, 4)),
         saguaro_c=draw(st.none() | st.floats(0.0, 0.99)),
         initial_acceptance=draw(st.floats(0.0, 1.0)),
+        warmup_budget=draw(st.none() | st.just(0.03)),  # None: drafting from round 2 on; 0.03: a short call is AR
         layout=draw(st.sampled_from(["auto", "thread", "inline"])),
         cpu_threads=draw(st.none() | st.just(1)),
         hit_rate_warning=0.0,
@@ -210,6 +211,7 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "ngram_size": st.integers(1, 32),
     "saguaro_c": st.none() | st.floats(0.0, 0.999),
     "initial_acceptance": fraction,
+    "warmup_budget": st.none() | st.floats(1e-6, 1.0),
     "layout": st.sampled_from(LAYOUTS),
     "cpu_threads": st.none() | st.integers(1, 1024),
     "hit_rate_warning": fraction,
@@ -246,6 +248,7 @@ def test_config_values_build_or_raise_ssd_config_error(fields):
     assert config.saguaro_c is None or 0.0 <= config.saguaro_c < 1.0
     for name in ("initial_acceptance", "hit_rate_warning"):
         assert not math.isnan(getattr(config, name))
+    assert config.warmup_budget is None or 0.0 < config.warmup_budget <= 1.0
 
 
 @fuzz_settings(60)

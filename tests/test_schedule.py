@@ -188,7 +188,7 @@ def test_simulated_on_core_picks_plain_sd(sim_pair):
 
 def force(monkeypatch, choose):
     """Replace the scheduler's decision by `choose(options) -> Option` (predictions left out)."""
-    monkeypatch.setattr(Scheduler, "decide", lambda self, draft_lag=0: (choose(self.options), None, False))
+    monkeypatch.setattr(Scheduler, "decide", lambda self, *lag_context_remaining: (choose(self.options), None, False))
 
 
 def pick(kind: str, budget: int = 0):
@@ -288,6 +288,90 @@ def test_first_rounds_measure_each_kind_once_and_leave_every_option_predicted(ta
     measured = Scheduler(config, costs, options, default, inline=False, deferred_record=True)
     assert not measured._queue
     assert [o.name for o in options if measured.predict(o) is None] == []
+
+
+def test_warmup_runs_ar_until_learning_fits_its_budget():
+    """A pair that has never drafted runs the target alone until learning, at its worst (the draft reading the
+    context, then the learning rounds accepting nothing), costs at most warmup_budget of the pair's decode time
+    so far plus the call's; round 1 is AR whatever the budget (a job would run beside the prompt prefill)."""
+    config = SSDConfig(**QUIET)
+    options = allowed_options(config, "thread", 1)
+    default, ar = Option("ssd", 4, 1), Option("ar")
+    costs = CostModel(False, 17, 0.7)
+    s = Scheduler(config, costs, options, default, inline=False, warmup_budget=0.03)
+    assert s.warming and not s._queue
+    assert s.decide(0, 400, 10**6)[:1] == (ar,)  # round 1
+    assert s.decide(400, 400, 10**6)[:1] == (ar,)  # the prefill and an AR step not measured yet
+    costs.add_prefill(400, 4.0)
+    costs.add_verify(0, 0.25, None)
+    rounds = s.learning_rounds()
+    assert rounds == [Option("sd", 4)] + [default] * 3 + [Option("sd", 4)]
+    share = costs.draft_share
+    per_token = (4.0 - 0.25) / 399  # what the prefill cost beyond one step, per further token
+    assert s.warmup_cost(400) == pytest.approx(share * 4.0 + sum(o.gamma * (share * 0.25 + per_token) for o in rounds))
+    costs.draft_step_hint = 0.05  # a draft step as the probe timed it
+    assert s.warmup_cost(400) == pytest.approx(share * 4.0 + sum(o.gamma * (0.05 + per_token) for o in rounds))
+    assert s.warmup_cost(100) < s.warmup_cost(400)  # a shorter context is cheaper for the draft to read
+    need = s.warmup_cost(400) / 0.03  # seconds of AR decode that budget needs
+    assert s.decide(400, 400, int(0.9 * need / 0.25)) == (ar, s.predict(ar), False)
+    assert s.warming and s.warmup_rounds == 3
+    costs.work_s = 0.2 * need  # earlier calls' decode time counts too
+    assert s.decide(400, 400, int(0.9 * need / 0.25))[0] == rounds[0]
+    assert not s.warming
+    assert [s.decide(400, 401, 100)[0] for _ in rounds[1:]] == rounds[1:]
+    # A budget of None, `hf-ssd tune`'s every_family, a pair that has drafted, or no AR option: no warm-up.
+    assert not Scheduler(config, CostModel(False, 17, 0.7), options, default, inline=False).warming
+    assert not Scheduler(config, CostModel(False, 17, 0.7), options, default, inline=False, warmup_budget=0.03,
+                         every_family=True).warming
+    drafted = CostModel(False, 17, 0.7)
+    drafted.add_draft(4, 0.1)
+    assert not Scheduler(config, drafted, options, default, inline=False, warmup_budget=0.03).warming
+    assert not Scheduler(config, CostModel(False, 17, 0.7), [default], default, inline=False,
+                         warmup_budget=0.03).warming
+
+
+def test_a_lagging_draft_is_caught_up_only_when_the_call_repays_it():
+    """With the draft behind by a whole prompt, drafting first costs the draft's prefill of it: a call with few
+    tokens left runs AR even where SD is the faster option per round; a long call, or a draft near the context,
+    drafts."""
+    costs = fed_costs(0.8, 1.0, lambda b: 2.0, 0.05, lambda w: 0.25, RANKS)
+    costs.add_draft_prefill(400, 3.0)
+    config = SSDConfig()
+    scheduler = Scheduler(config, costs, allowed_options(config, "thread", 1), Option("ssd", 4, 1), inline=False)
+    scheduler.rng = random.Random(0)
+    scheduler.rng.random = lambda: 1.0  # no exploration
+    best = scheduler.decide(0, 400, 48)[0]
+    assert best.kind == "sd"  # per round, SD wins
+    assert scheduler.decide(400, 400, 4)[0] == Option("ar")  # 4 tokens cannot repay 3 s of prefill
+    assert scheduler.decide(400, 400, 400)[0].kind == "sd"
+    assert scheduler.decide(CATCH_UP_TOKENS, 400, 4)[0].kind == "sd"
+
+
+def test_a_short_first_call_runs_the_target_alone_and_a_larger_budget_learns(target, draft):
+    """Through generate: the default warm-up budget keeps a short first call on a new pair to the target alone
+    (the same tokens, the stats say why); with a budget the call can afford, AR rounds measure the prefill and a
+    step, then the learning rounds run; the next call starts past the warm-up."""
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    ref = target.generate(prompt, max_new_tokens=64, do_sample=False)
+    reset_estimates(target)
+    out = target.generate(prompt, max_new_tokens=64, do_sample=False, assistant_model=draft,
+                          ssd_config=SSDConfig(warmup_budget=0.001, **QUIET))
+    stats = hf_ssd.last_stats(target)
+    assert torch.equal(out, ref)
+    assert set(stats.options) == {"ar"} and stats.warming_up and stats.warmup_rounds >= stats.rounds
+    assert "warm-up" in stats.summary()
+    reset_estimates(target)
+    out = target.generate(prompt, max_new_tokens=64, do_sample=False, assistant_model=draft,
+                          ssd_config=SSDConfig(warmup_budget=1.0, record_timeline=True, **QUIET))
+    stats = hf_ssd.last_stats(target)
+    assert torch.equal(out, ref)
+    names = [e["option"] for e in stats.timeline]
+    first = next(i for i, n in enumerate(names) if n != "ar")
+    assert 2 <= first == stats.warmup_rounds and not stats.warming_up
+    assert names[first:first + 5] == ["sd(g=4)"] + ["ssd(b=1,g=4)"] * 3 + ["sd(g=4)"]
+    target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=draft,
+                    ssd_config=SSDConfig(warmup_budget=0.001, **QUIET))
+    assert hf_ssd.last_stats(target).warmup_rounds == 0 and not hf_ssd.last_stats(target).warming_up
 
 
 def test_second_call_starts_informed_and_stats_report_the_schedule(target, draft):
