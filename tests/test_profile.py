@@ -249,6 +249,30 @@ def test_save_is_atomic_and_keeps_other_entries(pair, profiles_on, monkeypatch):
     assert set(json.loads(path.read_text())["entries"]) == set(data["entries"])  # the sampling entry kept
 
 
+def test_a_passed_probe_is_remembered_across_processes(profiles_on, monkeypatch):
+    """The draft probe's verdict and step time are kept on disk (beside the profiles): a later process with the
+    same draft skips the probe's forwards; another draft, or profiles off, runs it."""
+    from hf_ssd import probe
+
+    runs = []
+    real = probe._run_probe
+    monkeypatch.setattr(probe, "_run_probe", lambda m: (runs.append(m), real(m)))
+    model, other = make_model(5), make_model(6)
+    probe.probe_draft(model)
+    step = probe.step_seconds(model)
+    assert len(runs) == 1 and step > 0
+    assert [p.suffix for p in (profiles_on.parent / "probes").iterdir()] == [".json"]
+    probe._probed.clear()  # what a new process starts with
+    probe.probe_draft(model)
+    assert len(runs) == 1 and probe.step_seconds(model) == pytest.approx(step)
+    probe.probe_draft(other)  # other weights: its own probe
+    assert len(runs) == 2
+    monkeypatch.setenv(profile.NO_PROFILE_ENV, "1")
+    probe._probed.clear()
+    probe.probe_draft(model)
+    assert len(runs) == 3
+
+
 # ----- fresh processes and the command line ---------------------------------------------------------------------
 
 CHILD = """
