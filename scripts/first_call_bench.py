@@ -7,7 +7,8 @@ where the real pair's draft agrees with the target less than on HumanEval. Greed
 
 Order, in one fresh process with no tuning profile (HF_SSD_NO_PROFILE=1 is set here):
 1. both models' kernels warmed by a 2-token `generate` each (first-use costs are not SSD's);
-2. **first call**: SSDConfig() on prompt 0 (its scheduler knows nothing yet: it explores);
+2. **first call**: SSDConfig() on prompt 0 (its scheduler knows nothing yet: it is in its warm-up, and the
+   draft's probe runs, since HF_SSD_NO_PROFILE=1 also turns off remembered probe verdicts);
 3. the baselines on prompt 0 (they keep no state: their first call is any call), each at its best torch thread
    count, probed at 1 and 2 threads on prompt 0 (--probe-tokens);
 4. **later calls**: every method on every prompt, the method order rotating per prompt.
