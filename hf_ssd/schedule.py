@@ -206,13 +206,20 @@ class Scheduler:
         it) and making the target verify that many more tokens (at what its prefill cost beyond one AR step, per
         further token). None until the target's prefill and an AR step are measured."""
         c = self.costs
-        t_ar, prefill = c.verify(0, None), c.prefill.predict(max(1, context))
-        if t_ar is None or prefill is None:
+        t_ar, prefill, read = c.verify(0, None), c.prefill.predict(max(1, context)), self.catch_up(context)
+        if t_ar is None or prefill is None or read is None:
             return None
-        read = c.draft_prefill.predict(context) if c.draft_prefill.count else c.draft_share * prefill
         step = c.draft_step_hint if c.draft_step_hint is not None else c.draft_share * t_ar
         per_token = max(0.0, prefill - t_ar) / max(1, context - 1)
         return read + sum(o.gamma * (step + per_token) for o in self.learning_rounds())
+
+    def catch_up(self, tokens: int) -> float | None:
+        """Seconds for the draft to read `tokens` it lags: its measured catch-ups, else the target's measured prefill
+        at the draft's share of the target's parameters (None: neither measured)."""
+        c = self.costs
+        if c.draft_prefill.count:
+            return c.draft_prefill.predict(tokens)
+        return c.draft_share * c.prefill.predict(tokens) if c.prefill.count else None
 
     def warmup_fits(self, context: int, remaining: int) -> bool:
         """Whether learning fits the warm-up budget: its worst-case cost within `warmup_budget` of the pair's
@@ -410,10 +417,7 @@ class Scheduler:
         if draft_lag > CATCH_UP_TOKENS and best.kind != "ar" and ar is not None and pred is not None and remaining:
             # Drafting now first makes the draft read what it lags: worth it only if the call's remaining tokens
             # repay that prefill.
-            c = self.costs
-            read = c.draft_prefill.predict(draft_lag) if c.draft_prefill.count else None
-            if read is None and c.prefill.count:
-                read = c.draft_share * c.prefill.predict(draft_lag)
+            read = self.catch_up(draft_lag)
             if read is not None and remaining / ar.rate <= read + remaining / pred.rate:
                 best, pred = AR, ar
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
