@@ -164,6 +164,7 @@ class Scheduler:
         self.warmup_rounds = 0
         self.warming = (warmup_budget is not None and not every_family and AR in options and not costs.drafted)
         self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 and not self.warming else []
+        self._learning = self.learning_rounds()  # once: each warm-up decision prices them
 
     def first_rounds(self, every_family: bool = False) -> list[Option]:
         """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
@@ -211,7 +212,7 @@ class Scheduler:
             return None
         step = c.draft_step_hint if c.draft_step_hint is not None else c.draft_share * t_ar
         per_token = max(0.0, prefill - t_ar) / max(1, context - 1)
-        return read + sum(o.gamma * (step + per_token) for o in self.learning_rounds())
+        return read + sum(o.gamma for o in self._learning) * (step + per_token)
 
     def catch_up(self, tokens: int) -> float | None:
         """Seconds for the draft to read `tokens` it lags: its measured catch-ups, else the target's measured prefill
@@ -394,7 +395,7 @@ class Scheduler:
                 self.warmup_rounds += 1
                 return AR, self.predict(AR), False
             self.warming = False
-            self._queue = self.learning_rounds()
+            self._queue = list(self._learning)
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
