@@ -1,11 +1,16 @@
 """The draft's linear layers on CPU: the same product, computed the way the CPU kernels run it fastest.
 
-Why: torch's CPU float32 `linear` (x @ W^T) on a few rows takes a matrix-vector path per row. Measured on the
-2-core machine this project runs on (`python scripts/matmul_bench.py --real`, torch 2.13, an 8960 x 1536
+Why: torch's CPU float32 `linear` (x @ W^T) on a few rows can take a matrix-vector path per row. Measured on
+one 2-core machine of the kind this project runs on (`python scripts/matmul_bench.py --real`, torch 2.13, an 8960 x 1536
 weight, 30 copies so nothing stays in cache): `linear` 3.6 / 5.6 / 8.7 / 5.3 ms for 1 / 2 / 3 / 4 rows, the same
 product as (W @ x^T)^T 1.2-1.9 ms (2.8-4.7x); 1.1-1.5x for 5-8 rows, equal at 16. With the real pair's draft
 (Qwen2.5-Coder 0.5B) a one-token step takes 0.062 s instead of 0.122 s and a 2-4-row batched step 0.064-0.080 s
 instead of 0.21-0.34 s (docs/performance.md).
+
+Which is faster depends on the CPU: on another 2-core Xeon of the same cloud (torch 2.13, a 4864 x 896 weight)
+`linear` took 0.84-0.88 ms for 1-3 rows against 1.7 ms transposed, and the real pair's draft step 0.12 s against
+0.26 s. So "auto" times both products on the draft's own layers once per process (`transposed_pays`, ~50 ms)
+and patches only where the transposed one is faster.
 
 Only the draft, never the target: the draft only proposes. Greedy identity rests on the target's own argmax,
 and speculative sampling on the draft's probabilities as computed for the proposal, whatever their last
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import types
 import weakref
 
@@ -23,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 8  # above this the stock kernel is as fast (measured: 1.1x at 8 rows, equal at 16)
+TIMED_ROWS = (1, 4)  # the draft's usual steps: one trunk row, a few branches
+TIMED_LAYERS = 4  # distinct weights, so that the timing streams them from memory as a real step does
 
 _lock = threading.Lock()
 _active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> [calls using it, {module: forward}]
@@ -51,6 +59,45 @@ def wanted(mode: str, module: torch.nn.Module) -> bool:
     return mode == "transposed" or w.dtype == torch.float32  # auto: the measured case only
 
 
+_verdicts: dict = {}  # (weight shape, dtype, torch threads) -> whether the transposed product ran faster
+
+
+@torch.no_grad()
+def transposed_pays(layers: list[torch.nn.Linear]) -> bool:
+    """Whether the transposed product beats `linear` on this CPU for `layers`' commonest weight shape (by
+    parameters), timed once per process and thread count over up to TIMED_LAYERS of those layers at TIMED_ROWS
+    rows, the best of three passes of each; a tie keeps `linear`."""
+    if not layers:
+        return False
+    weight = {}
+    for m in layers:
+        weight[tuple(m.weight.shape)] = weight.get(tuple(m.weight.shape), 0) + m.weight.numel()
+    shape = max(weight, key=weight.get)
+    sample = [m for m in layers if tuple(m.weight.shape) == shape][:TIMED_LAYERS]
+    key = (shape, sample[0].weight.dtype, torch.get_num_threads())
+    if key not in _verdicts:
+        _verdicts[key] = _time_products(sample) == "transposed"
+    return _verdicts[key]
+
+
+def _time_products(sample: list[torch.nn.Linear]) -> str:
+    """"transposed" or "linear": which took less time in all over TIMED_ROWS (best of 3 passes after a warm one)."""
+    products = {"linear": lambda m, x: F.linear(x, m.weight, m.bias), "transposed": _transposed_forward}
+    total = dict.fromkeys(products, 0.0)
+    for rows in TIMED_ROWS:
+        x = torch.randn(rows, sample[0].in_features, dtype=sample[0].weight.dtype, device=sample[0].weight.device)
+        passes = {name: [] for name in products}
+        for _ in range(4):
+            for name, product in products.items():  # interleaved, so drift weighs on both
+                start = time.perf_counter()
+                for m in sample:
+                    product(m, x)
+                passes[name].append(time.perf_counter() - start)
+        for name, seconds in passes.items():
+            total[name] += min(seconds[1:])
+    return "transposed" if total["transposed"] < total["linear"] else "linear"
+
+
 @contextlib.contextmanager
 def draft_matmul(draft: torch.nn.Module | None, mode: str, target: torch.nn.Module | None = None):
     """For one generate call: the draft's CPU linear layers use the transposed product (see module doc).
@@ -66,10 +113,12 @@ def draft_matmul(draft: torch.nn.Module | None, mode: str, target: torch.nn.Modu
         if entry is None:
             saved = {}
             shared = {id(m) for m in target.modules()} if target is not None else set()
-            for m in draft.modules():
-                if wanted(mode, m) and id(m) not in shared:
-                    saved[m] = m.__dict__.get("forward")  # an instance-level forward someone set: put back
-                    m.forward = types.MethodType(_transposed_forward, m)
+            layers = [m for m in draft.modules() if wanted(mode, m) and id(m) not in shared]
+            if mode == "auto" and not transposed_pays(layers):
+                layers = []
+            for m in layers:
+                saved[m] = m.__dict__.get("forward")  # an instance-level forward someone set: put back
+                m.forward = types.MethodType(_transposed_forward, m)
             entry = _active[draft] = [0, saved]
         entry[0] += 1
     try:

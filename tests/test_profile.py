@@ -267,6 +267,12 @@ def test_a_passed_probe_is_remembered_across_processes(profiles_on, monkeypatch)
     assert len(runs) == 1 and probe.step_seconds(model) == pytest.approx(step)
     probe.probe_draft(other)  # other weights: its own probe
     assert len(runs) == 2
+    # A verdict saved by an earlier version timed another kind of forward: its pass is reused, its step is not.
+    saved = next(p for p in (profiles_on.parent / "probes").iterdir() if json.loads(p.read_text())["step_s"] == step)
+    saved.write_text(json.dumps({"passed": True, "step_s": 0.5}))
+    probe._probed.clear()
+    probe.probe_draft(model)
+    assert len(runs) == 2 and probe.step_seconds(model) is None
     monkeypatch.setenv(profile.NO_PROFILE_ENV, "1")
     probe._probed.clear()
     probe.probe_draft(model)
