@@ -165,6 +165,7 @@ class Scheduler:
         self.warming = (warmup_budget is not None and not every_family and AR in options and not costs.drafted)
         self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 and not self.warming else []
         self._learning = self.learning_rounds()  # once: each warm-up decision prices them
+        self._after_trial: list[Option] = []  # the learning rounds that run only if the trial round pays
 
     def first_rounds(self, every_family: bool = False) -> list[Option]:
         """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
@@ -194,8 +195,9 @@ class Scheduler:
         return queue
 
     def learning_rounds(self) -> list[Option]:
-        """The rounds that end a warm-up: plain SD first (the round before it, AR, then runs no job: round 1's is
-        the prompt prefill), then `first_rounds` less AR, which the warm-up has measured."""
+        """The rounds that end a warm-up: the trial, plain SD (the round before it, AR, then runs no job: round 1's
+        is the prompt prefill), then, if the trial paid (`decide`), `first_rounds` less AR, which the warm-up has
+        measured."""
         sd = [fam for name, fam in self.families.items() if name == "sd"]
         head = [self._pick_gamma(sd[0], self.default.gamma)] if sd else []
         return head + [o for o in self.first_rounds() if o.kind != "ar"]
@@ -203,16 +205,17 @@ class Scheduler:
     def warmup_cost(self, context: int) -> float | None:
         """Seconds that learning whether drafting pays would cost at worst, from what the warm-up measured: the
         draft reading `context` tokens (the target's prefill of them at the draft's share of its parameters),
-        then `learning_rounds` that accept nothing, each drafting its gamma (a step as the draft's probe timed
-        it) and making the target verify that many more tokens (at what its prefill cost beyond one AR step, per
-        further token). None until the target's prefill and an AR step are measured."""
+        then the trial round (the first of `learning_rounds`) accepting nothing: drafting its gamma (a step as the
+        draft's probe timed it) and making the target verify that many more tokens (at what its prefill cost
+        beyond one AR step, per further token). The other learning rounds run only if the trial shows drafting
+        paying (`decide`). None until the target's prefill and an AR step are measured."""
         c = self.costs
         t_ar, prefill, read = c.verify(0, None), c.prefill.predict(max(1, context)), self.catch_up(context)
         if t_ar is None or prefill is None or read is None:
             return None
         step = c.draft_step_hint if c.draft_step_hint is not None else c.draft_share * t_ar
         per_token = max(0.0, prefill - t_ar) / max(1, context - 1)
-        return read + sum(o.gamma for o in self._learning) * (step + per_token)
+        return read + self._learning[0].gamma * (step + per_token) if self._learning else None
 
     def catch_up(self, tokens: int) -> float | None:
         """Seconds for the draft to read `tokens` it lags: its measured catch-ups, else the target's measured prefill
@@ -395,7 +398,14 @@ class Scheduler:
                 self.warmup_rounds += 1
                 return AR, self.predict(AR), False
             self.warming = False
-            self._queue = list(self._learning)
+            # The trial, then AR while it is verified (a decision is made while the round before it runs), then
+            # the rest only if the trial showed its option beating the target alone.
+            self._queue, self._after_trial = [self._learning[0], AR], self._learning[1:]
+        if self._after_trial and not self._queue:
+            trial, ar = self.predict(self._learning[0]), self.predict(AR)
+            if trial is not None and ar is not None and trial.rate > ar.rate:
+                self._queue = self._after_trial
+            self._after_trial = []
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True

@@ -292,7 +292,7 @@ def test_first_rounds_measure_each_kind_once_and_leave_every_option_predicted(ta
 
 def test_warmup_runs_ar_until_learning_fits_its_budget():
     """A pair that has never drafted runs the target alone until learning, at its worst (the draft reading the
-    context, then the learning rounds accepting nothing), costs at most warmup_budget of the pair's decode time
+    context, then the trial round accepting nothing), costs at most warmup_budget of the pair's decode time
     so far plus the call's; round 1 is AR whatever the budget (a job would run beside the prompt prefill)."""
     config = SSDConfig(**QUIET)
     options = allowed_options(config, "thread", 1)
@@ -308,9 +308,9 @@ def test_warmup_runs_ar_until_learning_fits_its_budget():
     assert rounds == [Option("sd", 4)] + [default] * 3 + [Option("sd", 4)]
     share = costs.draft_share
     per_token = (4.0 - 0.25) / 399  # what the prefill cost beyond one step, per further token
-    assert s.warmup_cost(400) == pytest.approx(share * 4.0 + sum(o.gamma * (share * 0.25 + per_token) for o in rounds))
+    assert s.warmup_cost(400) == pytest.approx(share * 4.0 + 4 * (share * 0.25 + per_token))  # the trial's gamma
     costs.draft_step_hint = 0.05  # a draft step as the probe timed it
-    assert s.warmup_cost(400) == pytest.approx(share * 4.0 + sum(o.gamma * (0.05 + per_token) for o in rounds))
+    assert s.warmup_cost(400) == pytest.approx(share * 4.0 + 4 * (0.05 + per_token))
     assert s.warmup_cost(100) < s.warmup_cost(400)  # a shorter context is cheaper for the draft to read
     need = s.warmup_cost(400) / 0.03  # seconds of AR decode that budget needs
     assert s.decide(400, 400, int(0.9 * need / 0.25)) == (ar, s.predict(ar), False)
@@ -318,7 +318,28 @@ def test_warmup_runs_ar_until_learning_fits_its_budget():
     costs.work_s = 0.2 * need  # earlier calls' decode time counts too
     assert s.decide(400, 400, int(0.9 * need / 0.25))[0] == rounds[0]
     assert not s.warming
-    assert [s.decide(400, 401, 100)[0] for _ in rounds[1:]] == rounds[1:]
+    assert s.decide(0, 405, 100)[0] == ar  # while the trial is verified: its outcome decides what follows
+    for _ in range(3):  # the trial measured: it drafted 4 tokens at 0.05 s, verified 5 at 0.3 s, accepted all
+        costs.add_draft(4, 0.2)
+        costs.add_verify(4, 0.3, None)
+        costs.add_acceptance(4, 4)
+        costs.add_positions(4, 4)
+    assert [s.decide(0, 410, 100)[0] for _ in rounds[1:]] == rounds[1:]  # it paid: the other learning rounds
+    # A trial that accepted nothing ends learning: the rounds after it are decided from the measurements.
+    costs = CostModel(False, 17, 0.7)
+    s = Scheduler(config, costs, options, default, inline=False, warmup_budget=1.0)
+    s.rng.random = lambda: 1.0  # no exploration
+    s.decide(0, 400, 100)
+    costs.add_prefill(400, 4.0)
+    costs.add_verify(0, 0.25, None)
+    assert [s.decide(400, 400, 100)[0], s.decide(0, 401, 100)[0]] == [rounds[0], ar]
+    for _ in range(3):
+        costs.add_draft(4, 0.2)
+        costs.add_verify(4, 0.3, None)
+        costs.add_acceptance(0, 4)
+        costs.add_positions(0, 4)
+    option, _, explored = s.decide(0, 402, 100)
+    assert not explored and not s._queue and not s._after_trial  # a decision of the model, not a learning round
     # A budget of None, `hf-ssd tune`'s every_family, a pair that has drafted, or no AR option: no warm-up.
     assert not Scheduler(config, CostModel(False, 17, 0.7), options, default, inline=False).warming
     assert not Scheduler(config, CostModel(False, 17, 0.7), options, default, inline=False, warmup_budget=0.03,
@@ -368,7 +389,7 @@ def test_a_short_first_call_runs_the_target_alone_and_a_larger_budget_learns(tar
     names = [e["option"] for e in stats.timeline]
     first = next(i for i, n in enumerate(names) if n != "ar")
     assert 2 <= first == stats.warmup_rounds and not stats.warming_up
-    assert names[first:first + 5] == ["sd(g=4)"] + ["ssd(b=1,g=4)"] * 3 + ["sd(g=4)"]
+    assert names[first:first + 2] == ["sd(g=4)", "ar"]  # the trial, then AR while it is verified
     target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=draft,
                     ssd_config=SSDConfig(warmup_budget=0.001, **QUIET))
     assert hf_ssd.last_stats(target).warmup_rounds == 0 and not hf_ssd.last_stats(target).warming_up
