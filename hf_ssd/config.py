@@ -99,8 +99,8 @@ class SSDConfig:
             `"fixed"` always runs overlapped SSD with the values above (the budget default picked by layout).
         draft_matmul: how the draft's `nn.Linear` layers multiply on CPU during the call (`hf_ssd/matmul.py`).
             `"auto"` (default): float32 CPU layers compute few-row products as (W @ x^T)^T where that is faster on
-            this CPU, timed once per process on the draft's layers (on one 2-core Xeon 2.8-4.7x as fast as
-            `linear` for 1-4 rows, on another half as fast); `"transposed"`: that for every floating-point CPU
+            this CPU, timed once per process on the draft's layers (on a 2-vCPU AMD EPYC 2.8-4.7x as fast as
+            `linear` for 1-4 rows, on a 2-vCPU Intel Xeon half as fast); `"transposed"`: that for every floating-point CPU
             layer, untimed; `"stock"`: the draft runs as given. Never the target (its computation
             stays exactly transformers'), and restored when the call ends.
     """

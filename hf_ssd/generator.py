@@ -162,6 +162,12 @@ class SSDCandidateGenerator(CandidateGenerator):
             hook()
 
     # ----- CandidateGenerator API --------------------------------------------------------------------------
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most candidates a round may propose (transformers >= 5.25 sizes a hybrid cache's recording of past
+        recurrent states by it before the first round)."""
+        return max((o.gamma for o in self.options), default=self.config.gamma)
+
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         now = time.perf_counter()
         context = input_ids[0].tolist()

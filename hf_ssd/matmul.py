@@ -7,7 +7,7 @@ product as (W @ x^T)^T 1.2-1.9 ms (2.8-4.7x); 1.1-1.5x for 5-8 rows, equal at 16
 (Qwen2.5-Coder 0.5B) a one-token step takes 0.062 s instead of 0.122 s and a 2-4-row batched step 0.064-0.080 s
 instead of 0.21-0.34 s (docs/performance.md).
 
-Which is faster depends on the CPU: on another 2-core Xeon of the same cloud (torch 2.13, a 4864 x 896 weight)
+Which is faster depends on the CPU: on a 2-vCPU Intel Xeon (torch 2.13, a 4864 x 896 weight)
 `linear` took 0.84-0.88 ms for 1-3 rows against 1.7 ms transposed, and the real pair's draft step 0.12 s against
 0.26 s. So "auto" times both products on the draft's own layers once per process (`transposed_pays`, ~50 ms)
 and patches only where the transposed one is faster.

@@ -64,7 +64,7 @@ def test_only_the_drafts_own_plain_layers_are_patched_and_only_during_the_call()
 
 
 def test_auto_patches_only_where_the_transposed_product_timed_faster(monkeypatch):
-    """"auto" times both products once per process on the draft's own layers (CPUs differ: on one 2-core Xeon
+    """"auto" times both products once per process on the draft's own layers (CPUs differ: on a 2-vCPU AMD EPYC
     the transposed product is 3-4x faster for 1-4 rows, on another 2x slower) and patches only if it won."""
     draft = make_model(0).float()
     timed = []
