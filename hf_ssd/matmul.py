@@ -31,6 +31,7 @@ import torch.nn.functional as F
 MAX_ROWS = 8  # above this the stock kernel is as fast (measured: 1.1x at 8 rows, equal at 16)
 TIMED_ROWS = (1, 4)  # the draft's usual steps: one trunk row, a few branches
 TIMED_LAYERS = 4  # distinct weights, so that the timing streams them from memory as a real step does
+TIMED_MIN_PARAMS = 1 << 20  # smaller weights keep the transposed product untimed: microsecond timings are noise
 
 _lock = threading.Lock()
 _active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> [calls using it, {module: forward}]
@@ -76,7 +77,8 @@ def transposed_pays(layers: list[torch.nn.Linear]) -> bool:
     sample = [m for m in layers if tuple(m.weight.shape) == shape][:TIMED_LAYERS]
     key = (shape, sample[0].weight.dtype, torch.get_num_threads())
     if key not in _verdicts:
-        _verdicts[key] = _time_products(sample) == "transposed"
+        small = sample[0].weight.numel() < TIMED_MIN_PARAMS  # and cheap either way: a stable choice for tiny models
+        _verdicts[key] = small or _time_products(sample) == "transposed"
     return _verdicts[key]
 
 

@@ -67,6 +67,7 @@ def test_auto_patches_only_where_the_transposed_product_timed_faster(monkeypatch
     """"auto" times both products once per process on the draft's own layers (CPUs differ: on a 2-vCPU AMD EPYC
     the transposed product is 3-4x faster for 1-4 rows, on another 2x slower) and patches only if it won."""
     draft = make_model(0).float()
+    monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)  # time even the tiny model's layers
     timed = []
     for verdict, patched in (("linear", False), ("transposed", True)):
         matmul._verdicts.clear()
