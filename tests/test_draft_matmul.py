@@ -101,6 +101,15 @@ def test_the_timing_picks_the_faster_product(monkeypatch, slow):
     assert matmul._time_products(layers) == ("transposed" if slow == "linear" else "linear")
 
 
+def test_the_timing_leaves_the_callers_random_state_alone():
+    """A seeded sampling call must draw the same numbers whether or not "auto" timed the products first."""
+    layers = [torch.nn.Linear(16, 32) for _ in range(2)]  # their initialisation draws from it
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    matmul._time_products(layers)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_patch_is_undone_when_generate_fails(target, draft):
     def boom():
         raise RuntimeError("speculator fault")
