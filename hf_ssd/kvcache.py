@@ -36,9 +36,31 @@ def holds_tensors(layer) -> bool:
     return isinstance(keys, torch.Tensor) and keys.dim() == 4
 
 
+# Families whose recurrent state lives in the modules, not in a cache layer transformers can describe.
+_MODULE_STATE_FAMILIES = ("recurrent_gemma", "rwkv", "xlstm")
+
+
+def _has_recurrent_layers(model) -> bool:
+    """True if the model's cache holds a recurrent / linear-attention state (transformers >= 5.25 describes it
+    by layer type; earlier versions marked such classes `_is_stateful`)."""
+    if getattr(type(model), "_is_stateful", False):
+        return True
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in _MODULE_STATE_FAMILIES:
+        return True
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if mixin is None or config is None:
+        return False
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # a config DynamicCache cannot describe: check_draft says so for a draft
+        return False
+    return any(isinstance(layer, mixin) for layer in layers)
+
+
 def stateful_reason(model) -> str | None:
     """Why `model` keeps a recurrent state that cannot be rolled back to a prefix (None if it does not)."""
-    if getattr(type(model), "_is_stateful", False):
+    if _has_recurrent_layers(model):
         return (
             f"{type(model).__name__} is a stateful (recurrent / state-space) model: its state cannot be rolled back "
             "to the accepted prefix after a rejection, so speculative decoding cannot verify with it "

@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 import hf_ssd  # noqa: E402
 from hf_ssd import SSDConfig  # noqa: E402
-from hf_ssd.bench.batched import chunks, generate_batch, pad_token_id  # noqa: E402
+from hf_ssd.bench.batched import chunks, generate_batch, greedy_matches, pad_token_id, ssd_ceiling  # noqa: E402
 from hf_ssd.bench.prompts import encode_prompt, load_prompts  # noqa: E402
 
 METHODS = ("target_batched", "ssd")
@@ -184,7 +184,9 @@ def call(method: str, target, draft, group, pad, new: int):
 # ----------------------------------------------------------------------------------------------- throughput
 
 
-def measure(args, target, draft, tok, encoded) -> list[dict]:
+def measure(args, target, draft, tok, encoded, plain_draft=None) -> list[dict]:
+    """Throughput at each B; with `plain_draft` (--sim: the draft without its simulated device) also SSD's
+    ceiling at each B (hf_ssd.bench.batched.ssd_ceiling, at its best gamma of 1..8)."""
     pad = pad_token_id(target, tok)
     results = []
     for b in args.batch_sizes:
@@ -218,11 +220,18 @@ def measure(args, target, draft, tok, encoded) -> list[dict]:
                                                        for n, o in a["options"].items()), key=lambda x: -x[2])
                 row[method]["acceptance"] = a["accepted"] / a["proposed"] if a["proposed"] else None
         row["ratio"] = row["ssd"]["tokens_per_second"] / row["target_batched"]["tokens_per_second"]
+        if plain_draft is not None:
+            matches = chunks([greedy_matches(plain_draft, p, t) for p, t in zip(encoded, acc["target_batched"]["tokens"])], b)
+            best = max(range(1, 9), key=lambda g: ssd_ceiling(matches, g, args.target_ms, args.draft_ms))
+            agree = [x for rows in matches for m in rows for x in m]
+            row["ceiling"] = {"gamma": best, "ratio": ssd_ceiling(matches, best, args.target_ms, args.draft_ms),
+                              "draft_agrees": sum(agree) / max(1, len(agree))}
         row["mismatched_rows"] = [i for i, (x, y) in enumerate(zip(acc["ssd"]["tokens"], acc["target_batched"]["tokens"]))
                                   if x != y]
         results.append(row)
         print(f"  B={b}: target batched {row['target_batched']['tokens_per_second']:.2f} tok/s, SSD "
-              f"{row['ssd']['tokens_per_second']:.2f} tok/s ({row['ratio']:.2f}x)", flush=True)
+              f"{row['ssd']['tokens_per_second']:.2f} tok/s ({row['ratio']:.2f}x"
+              + (f"; ceiling {row['ceiling']['ratio']:.2f}x" if "ceiling" in row else "") + ")", flush=True)
     return results
 
 
@@ -321,11 +330,17 @@ def render(command: str, pair: str, setting: str, rows: list[dict], memory: list
         if any(o > 0.05 * n for n, o in OVERRUNS.values()):
             lines.append("WARNING: more than 5% of a model's forwards overran: the real compute (a busy machine) "
                          "shows in these numbers; rerun on an idle machine or raise --target-ms/--draft-ms")
+    ceiling = any("ceiling" in r for r in rows)
+    if ceiling:
+        lines += ["SSD ceiling: every row a cache hit every round and drafting free within the verify (a round costs "
+                  "max(target forward, gamma draft forwards)); a row gains its draft's agreeing run + 1 tokens a round "
+                  "and a batch takes its slowest row's rounds (hf_ssd.bench.batched.ssd_ceiling)."]
     lines += [] if not rows else ["",
              "Dataset throughput: all rows' new tokens / all calls' wall time.", "",
              "| B | calls × rows | target batched tok/s | SSD tok/s | SSD / target | SSD acceptance "
-             "| SSD options (rounds, share of round time) | SSD rows ≠ target batched |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| SSD options (rounds, share of round time) | SSD rows ≠ target batched |"
+             + (" SSD ceiling / target (gamma; draft agrees) |" if ceiling else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if ceiling else "")]
     for r in rows:
         ssd, t = r["ssd"], r["target_batched"]
         acc = "—" if ssd["acceptance"] is None else f"{ssd['acceptance']:.1%}"
@@ -333,7 +348,9 @@ def render(command: str, pair: str, setting: str, rows: list[dict], memory: list
         bad = len(r["mismatched_rows"])
         lines.append(f"| {r['batch_size']} | {shape} | {t['tokens_per_second']:.2f} | {ssd['tokens_per_second']:.2f} | "
                      f"{r['ratio']:.2f}× | {acc} | {shares_text(ssd['option_shares'])} | "
-                     f"{'**' + str(bad) + ' MISMATCH**' if bad else '0'} |")
+                     f"{'**' + str(bad) + ' MISMATCH**' if bad else '0'} |"
+                     + (f" {r['ceiling']['ratio']:.2f}× (g={r['ceiling']['gamma']}; {r['ceiling']['draft_agrees']:.0%}) |"
+                        if "ceiling" in r else ""))
     if memory:
         b = memory[0]["batch_size"]
         rows_per_call = min(b, memory[0]["prompts"])
@@ -371,7 +388,12 @@ def main(argv=None) -> int:
         print(f"command: {command}", flush=True)
         target, draft, tok, pair = load(args)
         encoded, setting = prompts(args, tok)
-        rows = [] if args.memory_only else measure(args, target, draft, tok, encoded)
+        plain_draft = None
+        if args.sim:  # the draft's own greedy choices, for SSD's ceiling (not through the simulated device)
+            from hf_ssd.models.tiny import tiny_pair
+
+            plain_draft = tiny_pair(noise=args.noise)[1]
+        rows = [] if args.memory_only else measure(args, target, draft, tok, encoded, plain_draft)
         del target, draft
         gc.collect()
         memory = None if args.no_memory else measure_memory(args)

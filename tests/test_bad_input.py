@@ -288,8 +288,22 @@ def test_draft_without_croppable_attention_cache(target, fallback):
         _gen(target, _mamba_draft(), max_new_tokens=8, ssd_config=SSDConfig(fallback=fallback))
 
 
-def test_stateful_target(draft):
-    target = hf_ssd.enable(_mamba_draft())
+def _hybrid_target():
+    """Attention layers mixed with linear-attention (recurrent) layers: transformers >= 5.25 no longer marks such
+    classes stateful, so the refusal must come from the cache's layer types."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=0,
+                             layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                             eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    return Qwen3NextForCausalLM(config).double().eval()
+
+
+@pytest.mark.parametrize("make", [_mamba_draft, _hybrid_target], ids=["mamba", "hybrid"])
+def test_stateful_target(draft, make):
+    target = hf_ssd.enable(make())
     with expect(SSDUsageError, MESSAGES["stateful_target"]):
         _gen(target, draft)
 

@@ -280,3 +280,32 @@ def test_batched_mismatch_is_reported(metric):
     md = render_markdown(results)
     assert "**MISMATCH** d · SSD at B=2: 1 row(s) differ" in md and "| 2 | 2 × 2/1 |" in md
     assert "2.00×" in md and render_batched(results)
+
+
+def test_ssd_ceiling_counts_rounds_of_the_slowest_row():
+    from hf_ssd.bench.batched import ssd_ceiling
+
+    row = [True, True, False, True]  # gamma 2: a round takes 2 + 1 tokens, then the last 1 + 1: 2 rounds for 4 steps
+    assert ssd_ceiling([[row]], 2, 40.0, 10.0) == pytest.approx(2.0)
+    assert ssd_ceiling([[row]], 1, 40.0, 10.0) == pytest.approx(4 / 3)  # 2 + 1 + 2 tokens: 3 rounds
+    assert ssd_ceiling([[row]], 2, 40.0, 30.0) == pytest.approx(4 * 40 / (2 * 60))  # drafting outlasts the verify
+    slow = [False] * 4  # one token a round: the batch goes at its pace, whatever the other row gains
+    assert ssd_ceiling([[row, slow]], 2, 40.0, 10.0) == pytest.approx(1.0)
+    assert ssd_ceiling([[row], [slow]], 2, 40.0, 10.0) == pytest.approx(8 / 6)  # datasets add steps and rounds
+    with pytest.raises(ValueError, match="gamma must be at least 1"):
+        ssd_ceiling([[row]], 0, 40.0, 10.0)
+
+
+def test_greedy_matches_of_a_model_with_itself_and_with_a_noisy_copy():
+    import torch
+
+    from hf_ssd.bench.batched import greedy_matches
+    from hf_ssd.models.tiny import tiny_pair
+
+    target, draft, tok = tiny_pair(noise=0.05)
+    prompt = tok("def f(x):")["input_ids"]
+    new = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert greedy_matches(target, prompt, new) == [True] * 24  # the target's own greedy choices
+    agree = greedy_matches(draft, prompt, new)
+    assert len(agree) == 24 and not all(agree)  # a noisier draft parts from it somewhere

@@ -75,3 +75,45 @@ def generate_batch(target, prompts: list[list[int]], pad: int, **kwargs) -> tupl
             torch.cuda.synchronize(target.device)
         seconds = time.perf_counter() - start
     return row_tokens(out, input_ids.shape[1], eos_ids(target)), seconds
+
+
+def greedy_matches(draft, prompt: list[int], tokens: list[int]) -> list[bool]:
+    """Per new token of a greedy target row: would the draft's greedy choice, given the row's tokens before it,
+    have been that token (one draft forward over prompt + tokens, no cache)."""
+    if not tokens:
+        return []
+    ids = torch.tensor([prompt + tokens], dtype=torch.long, device=draft.device)
+    with torch.inference_mode():
+        top = draft(input_ids=ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+    return [a == b for a, b in zip(top, tokens)]
+
+
+def ssd_ceiling(batches: list[list[list[bool]]], gamma: int, target_s: float, draft_s: float) -> float:
+    """SSD's best case over a dataset of batches (each a list of rows' `greedy_matches`) against the target's own
+    batched decoding, on a device where a forward costs the same whatever its rows.
+
+    Every row hits the speculation cache every round, so a round costs one verify, or `gamma` draft steps where
+    those take longer (they run during the verify before). A round of a row whose draft agrees with the target
+    on the next L tokens yields min(L, gamma) + 1 tokens; a batch takes as many rounds as its slowest row, the
+    target's batched decoding as many steps as its longest row. Returns the target's time over the ceiling's
+    (prefill left out: both pay it)."""
+    if gamma < 1:
+        raise ValueError(f"gamma must be at least 1, got {gamma}")
+    steps = rounds = 0
+    for rows in batches:
+        steps += max((len(m) for m in rows), default=0)
+        rounds += max((_ceiling_rounds(m, gamma) for m in rows), default=0)
+    if steps == 0:
+        return 1.0
+    return steps * target_s / (rounds * max(target_s, gamma * draft_s))
+
+
+def _ceiling_rounds(matches: list[bool], gamma: int) -> int:
+    run = [0] * (len(matches) + 1)  # run[j]: how many tokens from j on the draft agrees with
+    for j in range(len(matches) - 1, -1, -1):
+        run[j] = run[j + 1] + 1 if matches[j] else 0
+    j = n = 0
+    while j < len(matches):
+        j += min(run[j], gamma) + 1
+        n += 1
+    return n
