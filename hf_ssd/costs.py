@@ -200,8 +200,10 @@ class CostModel:
       target accepted; it models the confidence-stopped SD options for any threshold (`confidence_model`).
     - Batches (batch/loop.py) also keep, per batch size: `plain_step`, a step of plain batched decoding (the
       target's own loop, plain.py); `loop_speedup`, per loop call, plain's time for its output (its steps at
-      `plain_step`) over the loop's time after the prefill; `draft_prefill(tokens)`, the draft's prompt prefill,
-      which plain decoding never pays; `plain_streak`, plain calls in a row.
+      `plain_step`) over the loop's time after the prefill, judged once loop calls add up to enough chosen steps
+      (`loop_pending`: plain's seconds, the loop's and the steps of calls not yet judged);
+      `draft_prefill(tokens)`, the draft's prompt prefill, which plain decoding never pays; `plain_streak`, plain
+      calls in a row.
     """
 
     def __init__(self, on_gpu: bool, top_k: int, initial_acceptance: float):
@@ -233,6 +235,7 @@ class CostModel:
         self.loop_speedup = Ewma(decay=0.7)
         self.draft_prefill = LinearFit(_proportional)
         self.plain_streak = 0
+        self.loop_pending = (0.0, 0.0, 0.0)
         # The warm-up (schedule.Scheduler.warmup_fits): the target's prompt prefill by tokens, the seconds of
         # rounds run on this pair, and, until the draft's own costs are measured, its cost per token read as a
         # share of the target's (`cost_model_for` sets it from parameter counts) and a step's time.
@@ -347,8 +350,15 @@ class CostModel:
         self.plain_step.update(seconds)
 
     @_locked
-    def add_loop_call(self, speedup: float) -> None:
-        self.loop_speedup.update(speedup)
+    def add_loop_call(self, plain_s: float, loop_s: float, steps: float, min_steps: float) -> None:
+        """A loop call's chosen rounds: plain's time for their output, theirs, and plain's steps for it. One short
+        call is weak evidence (a few rounds, the job's start and stop), so calls add up until they hold
+        `min_steps` steps; then their speedup is recorded."""
+        p, t, n = (a + b for a, b in zip(self.loop_pending, (plain_s, loop_s, steps)))
+        if n >= min_steps and t > 0:
+            self.loop_speedup.update(p / t)
+            p = t = n = 0.0
+        self.loop_pending = (p, t, n)
 
     @_locked
     def add_draft_prefill(self, tokens: int, seconds: float) -> None:

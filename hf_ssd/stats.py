@@ -34,8 +34,9 @@ class SSDStats:
 
     Scheduling: `options` maps each option that produced a round's candidates ("ssd(b=8,g=4)", "sd(g=4)",
     "ar") to {"rounds", "seconds"}; `explored_rounds` counts rounds run to measure an option rather than because
-    it was predicted best; `predicted_tokens_per_second` is what the cost model predicted for the rounds it
-    decided (compare `tokens_per_second`); `cost_model` is the measured model at the end of the call.
+    it was predicted best (`explored_seconds`: their time); `predicted_tokens_per_second` is what the cost
+    model predicted for the rounds it decided (compare `tokens_per_second`); `cost_model` is the measured model
+    at the end of the call.
     `profile`: the tuning profile (hf_ssd/profile.py) the pair's estimates were loaded from in this process, or
     None when they were measured here from the priors.
     """
@@ -79,6 +80,7 @@ class SSDStats:
     schedule: str = ""
     options: dict = field(default_factory=dict)
     explored_rounds: int = 0
+    explored_seconds: float = 0.0  # the explored rounds' time
     # Rounds run as the target alone because the pair has not drafted yet and learning would not fit
     # `SSDConfig.warmup_budget` (schedule.Scheduler.warmup_fits); True in `warming_up`: still so at the end.
     warmup_rounds: int = 0
@@ -141,6 +143,7 @@ class SSDStats:
         entry["rounds"] += 1
         entry["seconds"] += seconds
         self.explored_rounds += int(explored)
+        self.explored_seconds += seconds if explored else 0.0
         if prediction is not None:
             self.predicted_tokens += prediction.tokens
             self.predicted_seconds += prediction.seconds

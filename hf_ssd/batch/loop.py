@@ -43,7 +43,7 @@ logger = logging.getLogger("hf_ssd")
 
 BATCH_BUDGETS = tuple(b for b in AUTO_BUDGETS if b <= 4)  # branches per row: a batch multiplies them
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
-VERDICT_MIN_STEPS = 4  # decode steps a loop call needs for its speedup over plain decoding to be recorded
+VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
 
 @dataclass
@@ -59,6 +59,7 @@ class Row:
     accepted: int = 0
     rounds: int = 0
     new: int = 0
+    explored_new: int = 0  # of `new`, gained in rounds run to measure an option (not chosen as the best)
     done: bool = False
     # Draft-side state of the round (draft.py): tokens fed as confirmed, candidate columns fed, the draft's top
     # tokens at each candidate position (and after the last); a hit's branch, ready for the next round.
@@ -278,7 +279,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             t3 = time.perf_counter()
             speculator.collect()  # the job stops at its next step; its error is raised here
             _commit(target, drafter, live, rnd, fed)
-            appended = _advance(live, new_tokens, stopping_criteria, input_ids.device)
+            appended = _advance(live, new_tokens, stopping_criteria, input_ids.device, rnd.explored)
             with speculator.on_critical_path():
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
@@ -295,7 +296,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         raise
     speculator.close()
     if decoding is not None:
-        _measure_call(call_costs, rows, time.perf_counter() - decoding)
+        _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds)
     stats.rows = [r.stats() for r in rows]
     stats.draft_forwards = drafter.kv.forwards
     width = max(len(r.ids) for r in rows)
@@ -317,14 +318,21 @@ def _prefill_draft(drafter: BatchDrafter, live: list[Row], costs) -> float:
     return seconds
 
 
-def _measure_call(costs, rows: list[Row], seconds: float) -> None:
+def _measure_call(costs, rows: list[Row], seconds: float, explored_s: float) -> None:
     """The loop's speedup over plain batched decoding in this call: plain's steps for the same output (until the
-    longest row ended; all rows each step) at its measured step time, over the loop's time after the prefill."""
-    steps = max(r.new for r in rows) - 1
+    longest row ended; all rows each step) at its measured step time, over the loop's time after the prefill.
+    Rounds run to explore are left out (their time, and their share of the output in plain's steps): a size's
+    first loop call explores most, and judged whole it would condemn the loop where its chosen rounds pay. Calls
+    add up until they hold VERDICT_MIN_STEPS steps (`CostModel.add_loop_call`); until then the next call at this
+    size runs the loop again."""
+    after_prefill = sum(r.new for r in rows) - len(rows)  # each row's first token came with the prefill
+    chosen = after_prefill - sum(r.explored_new for r in rows)
+    steps = (max(r.new for r in rows) - 1) * (chosen / after_prefill if after_prefill > 0 else 0.0)
+    seconds -= explored_s
     with costs.lock:
         step = costs.plain_step.value
-        if steps >= VERDICT_MIN_STEPS and step is not None and seconds > 0:
-            costs.add_loop_call(steps * step / seconds)
+        if steps > 0 and step is not None and seconds > 0:
+            costs.add_loop_call(steps * step, seconds, steps, VERDICT_MIN_STEPS)
 
 
 def _decide(scheduler: Scheduler) -> tuple[Option, object, bool]:
@@ -446,7 +454,7 @@ def _commit(target: RaggedCache, drafter: BatchDrafter, live: list[Row], rnd: Ro
         row.target_fed += f + k
 
 
-def _advance(live: list[Row], new_tokens: list[list[int]], stopping_criteria, device) -> int:
+def _advance(live: list[Row], new_tokens: list[list[int]], stopping_criteria, device, explored: bool) -> int:
     """Each row's new tokens, one by one through the stopping criteria, as the target alone would stop (a row
     may stop within its accepted candidates). Returns the tokens appended."""
     appended = 0
@@ -455,6 +463,7 @@ def _advance(live: list[Row], new_tokens: list[list[int]], stopping_criteria, de
             row.ids.append(t)
             row.real.append(t)
             row.new += 1
+            row.explored_new += explored
             appended += 1
             if bool(stopping_criteria(torch.tensor([row.ids], device=device), None)[0]):
                 row.done = True
