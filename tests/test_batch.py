@@ -375,3 +375,99 @@ def test_the_loops_verdict_leaves_out_explored_rounds_and_waits_for_enough_steps
     assert costs.loop_speedup.value == pytest.approx((0.48 + 0.64) / (0.6 + 0.5))
     loop._measure_call(costs, [row(17, 16), row(17, 16)], 0.5, 0.5)  # nothing chosen: no evidence
     assert costs.loop_speedup.count == 1 and costs.loop_pending == (0, 0, 0)
+
+
+def _draft_greedy(draft, context: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The draft's greedy continuation of `context` and the probability of each of its tokens, each from a full
+    forward without a cache."""
+    out, probs = list(context), []
+    with torch.no_grad():
+        for _ in range(n):
+            p = torch.softmax(draft(input_ids=torch.tensor([out])).logits[0, -1].float(), -1)
+            out.append(int(p.argmax()))
+            probs.append(float(p.max()))
+    return out[len(context):], probs
+
+
+def _job_setup(pair, lengths, seed, gamma):
+    """Rows of a padded batch after the draft's prefill and a proposal of `gamma` candidates (2 rows without)."""
+    from hf_ssd.batch.draft import BatchDrafter
+
+    target, _, noisy = pair
+    ids, mask = padded_batch(lengths, seed)
+    rows = loop._rows(ids, mask)
+    drafter = BatchDrafter(noisy, target.config.vocab_size, False, None, pad=0, top_k=17)
+    drafter.prefill(rows)
+    for r in rows:  # a first new token each, as the target's prefill yields: rows without candidates read two
+        r.real.append(int(r.real[-1]) % 50 + 3)
+        r.ids.append(r.real[-1])
+    n = [gamma if i % 3 else 0 for i in range(len(rows))]
+    candidates, _ = drafter.propose(rows, n)
+    for r, k in zip(rows, n):
+        if not k:
+            r.tops = []
+    return noisy, drafter, rows, candidates
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, seed):
+    """A job's branch for outcome (k, bonus) must hold what the draft alone drafts after the row's tokens, its
+    first k candidates and the bonus, both for branches fed their bonus in the first step and for late ones (the
+    row's last outcome: its bonus ranked in the first step, fed in the second). The draft's own rows stay as the
+    round left them. Fails on a wrong position, mask or tag in a branch's copy."""
+    from hf_ssd.batch.speculate import Tree, speculate
+
+    gamma = 3
+    draft, drafter, rows, candidates = _job_setup(pair, lengths_for(6, seed), seed, gamma)
+    before = (drafter.kv.mask.clone(), drafter.kv.tag.clone(), [(r.draft_fed, r.draft_feed, r.tagged) for r in rows])
+    tree = Tree()
+    speculate(drafter, rows, candidates, gamma, 16, 0.6, lambda row, o: True, tree, lambda: False)
+    assert torch.equal(drafter.kv.mask, before[0]) and torch.equal(drafter.kv.tag, before[1])
+    assert [(r.draft_fed, r.draft_feed, r.tagged) for r in rows] == before[2]
+    late = [b for b in tree.branches if b.rank is not None]
+    assert late and len(late) < len(tree.branches)
+    assert {b.row for b in late} >= {i for i, c in enumerate(candidates) if not c}  # rows without candidates
+    for b in tree.branches:
+        c = candidates[b.row]
+        assert len(b.tokens) == gamma, (b.rank, len(b.tokens))
+        context = rows[b.row].real + c[: b.outcome.accepted] + [b.outcome.bonus]
+        tokens, probs = _draft_greedy(draft, context, gamma)
+        assert b.tokens == tokens, (b.row, b.outcome, b.rank)
+        assert [float(t[0][0]) for t in b.tops] == pytest.approx(probs, abs=1e-5), (b.row, b.outcome, b.rank)
+    for i, c in enumerate(candidates):  # the late branches ranked the bonus after the row's last candidate
+        ranked = [b.outcome.bonus for b in late if b.row == i]
+        if ranked:
+            assert ranked == rows[i].tops[len(c)][1][: len(ranked)].tolist()
+            tokens, probs = _draft_greedy(draft, rows[i].real + c, 1)
+            assert ranked[0] == tokens[0] and float(rows[i].tops[len(c)][0][0]) == pytest.approx(probs[0], abs=1e-5)
+
+
+def test_a_job_stops_stepping_once_its_next_step_would_end_past_the_verify():
+    """A deadline already passed: the job drafts its first step only (the caller would otherwise wait for the
+    further steps); without a deadline it drafts all of them."""
+    from hf_ssd.batch.speculate import Tree, speculate
+
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    pair_ = (target, None, noisy_copy(target, 0.02))
+    for deadline, want in ((0.0, 1), (None, 4)):
+        _, drafter, rows, candidates = _job_setup(pair_, [5, 7, 4], 1, 2)
+        tree = Tree()
+        speculate(drafter, rows, candidates, 4, 4, 0.6, lambda row, o: True, tree, lambda: False, deadline)
+        assert len(tree.steps) == (1 if deadline is not None else 5)
+        assert max(len(b.tokens) for b in tree.branches) == want
+
+
+def test_a_batch_divides_the_job_branches_among_its_rows():
+    """Per-row fan-out budgets within BATCH_BRANCHES for the whole batch: 16 per row at B = 8, 8 at B = 16; an
+    explicit fanout_budget stays as set."""
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    draft = noisy_copy(target, 0.02)
+
+    def budgets(config, rows):
+        plan = loop.BatchPlan(target, draft, config, False, "thread", {}, top_k=17)
+        return {o.budget for o in plan.scheduler(rows).options if o.kind == "ssd"}
+
+    assert budgets(SSDConfig(), 8) == {1, 2, 4, 8, 16}
+    assert budgets(SSDConfig(), 16) == {1, 2, 4, 8}
+    assert max(budgets(SSDConfig(), 16)) * 16 <= loop.BATCH_BRANCHES
+    assert budgets(SSDConfig(fanout_budget=16), 16) == {16}

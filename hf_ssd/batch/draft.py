@@ -107,41 +107,6 @@ class BatchDrafter:
                 pos[i, width - len(feed):] = torch.arange(row.draft_fed, row.draft_fed + len(feed))
         return ids, valid, pos
 
-    def catch_up(self, rows, candidates: list[list[int]]) -> None:
-        """Feed what each row's draft has not seen yet (tokens since it last drafted, a last candidate), so that
-        its distribution after the row's last token is known: the bonus candidates of the outcome k = n."""
-        feeds, lengths = [], []
-        for row, c in zip(rows, candidates):
-            unfed = row.real[row.draft_fed + row.draft_feed:]
-            missing = c[row.tagged:] if c and row.tops[len(c)] is None else []
-            feeds.append((unfed, missing))
-            lengths.append(len(unfed) + len(missing))
-        width = max(lengths)
-        if width == 0:
-            return
-        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        valid = torch.zeros(len(rows), width, dtype=torch.long)
-        pos = torch.zeros(len(rows), width, dtype=torch.long)
-        tags = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (row, (unfed, missing), n) in enumerate(zip(rows, feeds, lengths)):
-            if n:
-                lo = width - n
-                start = row.draft_fed + row.draft_feed
-                ids[i, lo:] = torch.tensor(unfed + missing)
-                valid[i, lo:] = 1
-                end = len(row.real) + row.tagged  # missing candidates come after the ones fed
-                pos[i, lo:] = torch.cat([torch.arange(start, len(row.real)), torch.arange(end, end + len(missing))])
-                tags[i, lo + len(unfed):] = torch.arange(row.tagged + 1, row.tagged + 1 + len(missing))
-        tops = self.tops(self.probs(self.kv.forward(ids, valid, pos, keep_last=1, tag=tags)[:, -1]))
-        for i, (row, c, (unfed, missing), n) in enumerate(zip(rows, candidates, feeds, lengths)):
-            if n:
-                row.draft_feed += len(unfed)
-                row.tagged += len(missing)
-                if not c:
-                    row.tops = [tops[i]]
-                else:
-                    row.tops[len(c)] = tops[i]
-
     def commit(self, rows, accepted: list[int]) -> None:
         """After verification: row i keeps the candidate columns it accepted (tags <= k); what it kept is
         confirmed, the next round feeds the rest of its tokens."""

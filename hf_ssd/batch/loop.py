@@ -41,7 +41,10 @@ from .speculate import Branch, Tree, speculate
 
 logger = logging.getLogger("hf_ssd")
 
-BATCH_BUDGETS = tuple(b for b in AUTO_BUDGETS if b <= 4)  # branches per row: a batch multiplies them
+# A job's branches over the whole batch: each copies its row's draft cache, so a batch divides them among its rows
+# (per row 16 at B <= 8, 8 at B = 16). Where a batched draft step costs about one row (an accelerator), the wider
+# fan-outs are what keep most rows hitting; on CPU cores their measured steps rule them out.
+BATCH_BRANCHES = 128
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
@@ -97,7 +100,8 @@ class Round:
 
 
 def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option], Option]:
-    """(options, default) for batches: AR, plain SD and SSD at 1-4 branches per row; explicit settings are
+    """(options, default) for batches: AR, plain SD and SSD at 1-16 branches per row (each batch size keeps those
+    within BATCH_BRANCHES, `BatchPlan.scheduler`); explicit settings are
     constraints as for one prompt (schedule="fixed": SSD at the configured gamma and budget; a fan-out budget
     or a layout set: SSD only; gamma set: that gamma)."""
     default = Option("ssd", config.gamma, fixed_budget)
@@ -105,7 +109,7 @@ def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option],
         options = [default]
     else:
         gammas = (config.gamma,) if config.is_set("gamma") else AUTO_GAMMAS
-        budgets = (fixed_budget,) if config.is_set("fanout_budget") else BATCH_BUDGETS
+        budgets = (fixed_budget,) if config.is_set("fanout_budget") else AUTO_BUDGETS
         options = [Option("ssd", g, b) for b in budgets for g in gammas]
         if not (config.is_set("fanout_budget") or config.is_set("layout")):
             options = [Option("ar")] + [Option("sd", g) for g in gammas] + options
@@ -125,18 +129,23 @@ class BatchPlan:
         self.layout, self.top_k = layout, top_k
         fixed_budget, _ = config.resolved_budget(draft.device.type == "cuda")
         self.options, self.default = batch_options(config, fixed_budget, hooks)
+        self.auto_budgets = not (config.is_set("fanout_budget") or config.schedule == "fixed")
         self._schedulers: dict[int, Scheduler] = {}
 
     def scheduler(self, rows: int) -> Scheduler:
         size = _size(rows)
         if size not in self._schedulers:
+            options = [o for o in self.options if o.kind != "ssd" or o.budget * size <= BATCH_BRANCHES
+                       or not self.auto_budgets] or self.options
+            default = self.default if self.default in options else options[0]
             costs = cost_model_for(self.target, self.draft, self.draft.device, f"batch{size}:{self.layout}",
                                    self.do_sample, self.top_k, self.config.initial_acceptance,
                                    self.config.draft_matmul)
             with costs.lock:
                 costs.new_call()
-            self._schedulers[size] = Scheduler(self.config, costs, self.options, self.default,
-                                               inline=self.layout == "inline", rows=size)
+            # A job's late branches (speculate.py) start a step after the others, as one prompt's do.
+            self._schedulers[size] = Scheduler(self.config, costs, options, default,
+                                               inline=self.layout == "inline", rows=size, deferred_record=True)
         return self._schedulers[size]
 
     def plain(self, rows: list[Row], new_tokens: int) -> bool:
@@ -231,7 +240,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
-    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=9)
+    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=max(AUTO_BUDGETS) + 1)
     ssd_stats.batch_size = len(rows)
     if (ssd_hooks or {}).get("plain", True) and plan.plain(rows, generation_config.max_length - input_ids.shape[1]):
         return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
@@ -403,12 +412,14 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         alpha = scheduler.costs.acceptance
         rnd.job_predicted = [scheduler.hit_rate(option.budget, len(c), alpha, calibrated=False)
                              for c in rnd.candidates]
+        verify_s = scheduler.costs.verify(max(map(len, rnd.candidates)), option.budget)
     candidates = [list(c) for c in rnd.candidates]
+    deadline = time.perf_counter() + verify_s if verify_s is not None and not scheduler.inline else None
 
     def job(should_stop):
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, option.budget, alpha, allowed, rnd.tree,
-                      should_stop)
+                      should_stop, deadline)
 
     speculator.submit(job)
 
@@ -530,8 +541,6 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 costs.add_rank(ids.index(bonus) if bonus in ids else None)
         if job is not None:
             tree = rnd.tree
-            if tree.record_s is not None:
-                costs.add_record(tree.record_s)
             for width, step_s in tree.steps:
                 costs.add_tree_step(max(1, round(width / len(live))), step_s)
             costs.add_overhead(job.budget, rnd.overhead_s)

@@ -4,6 +4,7 @@ once.
 
 The job runs on the speculator's thread (speculator.py) and works on copies of the rows (`RaggedCache.gather`),
 one per predicted outcome, so the draft's own rows stay as the round left them: a miss costs nothing to undo.
+Every step is one batched draft forward over all rows' branches.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ..fanout import geometric_fanout
 from ..outcomes import Outcome, predict_outcomes
+from ..schedule import LATE_GRACE
 from .draft import BatchDrafter
 from .ragged import RaggedCache
 
@@ -29,6 +31,7 @@ class Branch:
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)  # sampling: the distribution of each token
     tops: list = field(default_factory=list)  # the draft's top tokens at each of its positions
+    rank: int | None = None  # a late branch (`speculate`): its bonus is the draft's rank-th top token there
 
 
 @dataclass
@@ -38,7 +41,6 @@ class Tree:
     cache: RaggedCache | None = None
     branches: list[Branch] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (branches, seconds) per batched step
-    record_s: float | None = None
 
     def lookup(self, row: int, k: int, bonus: int) -> int | None:
         """Index of the branch of (row, k, bonus) holding at least one token, or None (a miss)."""
@@ -49,39 +51,83 @@ class Tree:
 
 
 def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: int, budget: int, alpha: float,
-              allowed: Callable[[object, Outcome], bool], tree: Tree, should_stop: Callable[[], bool]) -> None:
-    """Fill `tree` with up to `budget` branches per row of `gamma` tokens each, step by step until `should_stop`."""
-    t0 = time.perf_counter()
-    drafter.catch_up(rows, candidates)  # the draft's distribution after each row's last token
-    tree.record_s = time.perf_counter() - t0
-    sources, branches = [], []
+              allowed: Callable[[object, Outcome], bool], tree: Tree, should_stop: Callable[[], bool],
+              deadline: float | None = None) -> None:
+    """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
+    `should_stop`, or until a step would end more than LATE_GRACE of a step after `deadline` (when the
+    verification is expected to end: the caller would wait for that step; its tokens are worth less than the wait).
+
+    An outcome whose bonus the draft can rank already (k below the row's drafted length: the draft's tops there)
+    feeds its bonus in the first step. A row's last outcome needs the draft's distribution after its last
+    candidate, which the draft has not read (for a row without candidates: after the tokens since it last
+    drafted): its branches feed those tokens in the first step, take the ranked bonus from it, and feed that in
+    the second, one token behind the others. A separate read before the first step would delay every branch
+    by a draft forward (a quarter of the verify on an accelerator), and the job leaves the draft's own rows as
+    the round left them: a miss costs nothing to undo."""
+    sources, branches, feeds = [], [], []
     for r, (row, c) in enumerate(zip(rows, candidates)):
-        if len(row.tops) < len(c) + 1 or row.tops[len(c)] is None:
-            continue
-        fanout = geometric_fanout(budget, alpha, len(c))
-        for o in predict_outcomes(c, row.tops[: len(c) + 1], fanout, alpha, budget):
+        g = len(c)
+        known = g < len(row.tops) and row.tops[g] is not None
+        fanout = geometric_fanout(budget, alpha, g)
+        ranked = fanout if known else fanout[:g] + [0]
+        for o in predict_outcomes(c, row.tops[: g + 1], ranked, alpha, budget):
             if allowed(row, o):
                 sources.append((drafter.kv, r))
                 branches.append(Branch(r, o))
+                feeds.append(([o.bonus], [len(row.real) + o.accepted]))
+        unread = _unread(row, c)
+        if not known and unread[0] and allowed(row, Outcome(g, -1)):
+            for rank in range(min(fanout[g], drafter.top_k)):
+                sources.append((drafter.kv, r))
+                branches.append(Branch(r, Outcome(g, -1), rank=rank))
+                feeds.append(unread)
     if not branches or should_stop():
         return
     kv = drafter.kv.gather(sources)
     kv.settle(torch.tensor([b.outcome.accepted for b in branches]))  # each copy keeps what its outcome accepts
     tree.cache, tree.branches = kv, branches
-    # Every copy feeds its bonus, then drafts: one batched forward per step over all branches.
-    token = torch.tensor([[b.outcome.bonus] for b in branches])
-    pos = torch.tensor([[len(rows[b.row].real) + b.outcome.accepted] for b in branches])
-    ones = torch.ones(len(branches), 1, dtype=torch.long)
-    for j in range(gamma):
-        if should_stop():
-            break
+    # Step 0 feeds each copy's first block (right-aligned); later steps one token each, at its next position.
+    width = max(len(ids) for ids, _ in feeds)
+    ids = torch.full((len(branches), width), drafter.pad, dtype=torch.long)
+    valid = torch.zeros(len(branches), width, dtype=torch.long)
+    pos = torch.zeros(len(branches), width, dtype=torch.long)
+    for i, (toks, at) in enumerate(feeds):
+        ids[i, width - len(toks):], valid[i, width - len(toks):] = torch.tensor(toks), 1
+        pos[i, width - len(toks):] = torch.tensor(at)
+    late = torch.tensor([b.rank is not None for b in branches], dtype=torch.long)
+    nxt = pos[:, -1:] + 1
+    step_s = None
+    for j in range(gamma + 1):  # a late branch needs one step more
         t = time.perf_counter()
-        probs = drafter.probs(kv.forward(token, ones, pos + j, keep_last=1, tag=j)[:, -1])
+        if should_stop() or (deadline is not None and step_s is not None and t + (1 - LATE_GRACE) * step_s > deadline):
+            break
+        if j:  # a copy's step-j token is its candidate j (j - 1 for a late one); full copies feed nothing
+            valid = torch.tensor([[int(len(b.tokens) < gamma)] for b in branches])
+        tag = (j - late).clamp(min=0)[:, None] if j else 0
+        probs = drafter.probs(kv.forward(ids, valid, pos, keep_last=1, tag=tag)[:, -1])
         chosen, tops = drafter.choose(probs), drafter.tops(probs)
         for i, b in enumerate(branches):
-            b.tokens.append(int(chosen[i]))
-            b.tops.append(tops[i])
-            if drafter.do_sample:
-                b.q.append(probs[i])
-        token = chosen[:, None]
-        tree.steps.append((len(branches), time.perf_counter() - t))
+            if b.rank is not None and j == 0:  # the bonus of a late branch: its rank among the draft's tops
+                chosen[i] = tops[i][1][b.rank]
+                b.outcome = Outcome(b.outcome.accepted, int(chosen[i]), b.outcome.prob)
+                rows[b.row].tops[len(candidates[b.row]):] = [tops[i]]  # what the round's bonus ranks against
+            elif len(b.tokens) < gamma:
+                b.tokens.append(int(chosen[i]))
+                b.tops.append(tops[i])
+                if drafter.do_sample:
+                    b.q.append(probs[i])
+        step_s = time.perf_counter() - t
+        tree.steps.append((len(branches), step_s))
+        if all(len(b.tokens) >= gamma for b in branches):
+            break
+        ids, pos, nxt = chosen[:, None], nxt, nxt + 1
+
+
+def _unread(row, candidates: list[int]) -> tuple[list[int], list[int]]:
+    """(tokens, positions) the draft has not read before the row's last outcome: the row's tokens since it last
+    drafted, then candidates it did not feed (the last one, at least)."""
+    start = row.draft_fed + row.draft_feed
+    tokens = row.real[start:] + candidates[row.tagged:] if candidates else row.real[start:]
+    base = len(row.real)
+    positions = list(range(start, base)) + (list(range(base + row.tagged, base + len(candidates))) if candidates else [])
+    return tokens, positions
