@@ -427,7 +427,7 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
     late = [b for b in tree.branches if b.rank is not None]
     assert late and len(late) < len(tree.branches)
     assert {b.row for b in late} >= {i for i, c in enumerate(candidates) if not c}  # rows without candidates
-    for b in tree.branches:
+    for b in map(tree.take, range(len(tree.branches))):
         c = candidates[b.row]
         assert len(b.tokens) == gamma, (b.rank, len(b.tokens))
         context = rows[b.row].real + c[: b.outcome.accepted] + [b.outcome.bonus]
@@ -454,7 +454,7 @@ def test_a_job_stops_stepping_once_its_next_step_would_end_past_the_verify():
         tree = Tree()
         speculate(drafter, rows, candidates, 4, 4, 0.6, lambda row, o: True, tree, lambda: False, deadline)
         assert len(tree.steps) == (1 if deadline is not None else 5)
-        assert max(len(b.tokens) for b in tree.branches) == want
+        assert max(len(tree.take(i).tokens) for i in range(len(tree.branches))) == want
 
 
 def test_a_batch_divides_the_job_branches_among_its_rows():
@@ -471,3 +471,20 @@ def test_a_batch_divides_the_job_branches_among_its_rows():
     assert budgets(SSDConfig(), 16) == {1, 2, 4, 8}
     assert max(budgets(SSDConfig(), 16)) * 16 <= loop.BATCH_BRANCHES
     assert budgets(SSDConfig(fanout_budget=16), 16) == {16}
+
+
+def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_informed():
+    """A batch's last rows run on the call's batch size's estimates until the live rows' size holds
+    INFORMED_ROUNDS rounds (a size only tails measure would explore from the priors)."""
+    from hf_ssd.costs import reset_estimates
+
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    draft = noisy_copy(target, 0.02)
+    reset_estimates(target)
+    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    call = plan.scheduler(8)
+    assert plan.scheduler_for(1, 8) is call and plan.scheduler_for(7, 8) is call
+    small = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17).scheduler(1).costs
+    small.rounds_seen = loop.INFORMED_ROUNDS  # as if earlier calls' tails had measured one row
+    assert plan.scheduler_for(1, 8).costs is small
+    assert plan.scheduler_for(2, 8) is call

@@ -41,9 +41,13 @@ class BatchDrafter:
     def choose(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0] if self.do_sample else probs.argmax(-1)
 
-    def tops(self, probs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def top_table(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, top_k] probabilities and ids of each row's most likely tokens, on the CPU."""
         values, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
-        values, ids = values.cpu(), ids.cpu()
+        return values.cpu(), ids.cpu()
+
+    def tops(self, probs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        values, ids = self.top_table(probs)
         return [(values[i], ids[i]) for i in range(probs.shape[0])]
 
     def propose(self, rows, n: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:

@@ -46,6 +46,7 @@ logger = logging.getLogger("hf_ssd")
 # fan-outs are what keep most rows hitting; on CPU cores their measured steps rule them out.
 BATCH_BRANCHES = 128
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
+INFORMED_ROUNDS = 50  # rounds a smaller size's estimates need before a shrinking batch's rounds use them
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
 
@@ -148,6 +149,21 @@ class BatchPlan:
                                                inline=self.layout == "inline", rows=size, deferred_record=True)
         return self._schedulers[size]
 
+    def scheduler_for(self, live: int, start: int) -> Scheduler:
+        """The scheduler of a round with `live` rows in a call that began with `start` rows: the live rows' size
+        once its estimates hold INFORMED_ROUNDS rounds, else the call's own. A batch's last rows (its slowest,
+        often a third of its rounds) would otherwise run on a size that only such tails measure, exploring from
+        the priors while the call's size is informed; fewer rows cost about the same on an accelerator and less
+        on CPU cores, so the call's estimates err on the slow side."""
+        if _size(live) != _size(start):
+            costs = self._informed(_size(live))
+            if costs is None or costs.rounds_seen < INFORMED_ROUNDS:
+                return self.scheduler(start)
+        return self.scheduler(live)
+
+    def _informed(self, size: int):
+        return self._schedulers[size].costs if size in self._schedulers else self._sizes().get(size)
+
     def plain(self, rows: list[Row], new_tokens: int) -> bool:
         """Whether the call runs plain batched decoding (plain.py) instead of the loop, from whole calls measured
         at its batch size. The first call at a size runs plain decoding (what the caller would run without
@@ -178,11 +194,19 @@ class BatchPlan:
     def _nearest_smaller(self, size: int) -> tuple[int, object] | None:
         """(batch size, CostModel) of this pair's estimates with a measured loop call at the largest size of
         2 .. size / 2, or None."""
-        want = {f"batch{s}:{self.layout}": s for s in (1 << i for i in range(1, size.bit_length() - 1))}
-        found = [(want[key[2]], costs) for key, costs in estimates_of(self.target, self.draft)
-                 if key[2] in want and key[1] == str(self.draft.device)
-                 and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul) and costs.loop_speedup.count]
+        found = [(s, c) for s, c in self._sizes().items() if 2 <= s <= size // 2 and c.loop_speedup.count]
         return max(found, key=lambda x: x[0], default=None)
+
+    def _sizes(self) -> dict[int, object]:
+        """Batch size -> this pair's CostModel for batches of that size in this plan's setting (device, layout,
+        mode), created by earlier calls."""
+        out = {}
+        for key, costs in estimates_of(self.target, self.draft):
+            name = key[2]
+            if (name.startswith("batch") and name.endswith(f":{self.layout}") and key[1] == str(self.draft.device)
+                    and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul)):
+                out[int(name[len("batch"):-len(self.layout) - 1])] = costs
+        return out
 
 
 def _size(rows: int) -> int:
@@ -273,7 +297,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         with speculator.on_critical_path():
             draft_prefill_s = _prefill_draft(drafter, live, call_costs)
         while live:
-            scheduler = plan.scheduler(len(live))
+            scheduler = plan.scheduler_for(len(live), len(rows))
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
@@ -498,8 +522,7 @@ def _adopt(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
         drafter.kv = drafter.kv.gather(sources)
         for row, b in zip(live, rnd.found):
             if b is not None:
-                branch = tree.branches[b]
-                row.ready = branch
+                row.ready = tree.take(b)
                 row.draft_fed = len(row.real)  # the branch fed the row's whole new context (bonus included)
 
 

@@ -24,30 +24,50 @@ from .ragged import RaggedCache
 
 @dataclass
 class Branch:
-    """Next-round candidates of one row, pre-drafted under one outcome of this round."""
+    """Next-round candidates of one row, pre-drafted under one outcome of this round. The job records its steps in
+    the `Tree`; a branch's tokens are read from there only when a row takes it (`Tree.take`)."""
 
     row: int  # index among the live rows
     outcome: Outcome
+    rank: int | None = None  # a late branch (`speculate`): its bonus is the draft's rank-th top token there
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)  # sampling: the distribution of each token
     tops: list = field(default_factory=list)  # the draft's top tokens at each of its positions
-    rank: int | None = None  # a late branch (`speculate`): its bonus is the draft's rank-th top token there
 
 
 @dataclass
 class Tree:
-    """What a job left: the branches, the rows' copies holding them, and its own timings."""
+    """What a job left: the branches, the rows' copies holding them, each step's output over all copies, and its
+    own timings."""
 
     cache: RaggedCache | None = None
     branches: list[Branch] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (branches, seconds) per batched step
+    gamma: int = 0
+    chosen: list[list[int]] = field(default_factory=list)  # per step: each copy's drafted token
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per step: [copies, K] top probs, ids
+    probs: list[torch.Tensor] = field(default_factory=list)  # sampling, per step: [copies, V]
+
+    def drafted(self, i: int) -> int:
+        """Tokens branch i holds (a late branch's first step chose its bonus, not a token)."""
+        return max(0, min(self.gamma, len(self.chosen) - (self.branches[i].rank is not None)))
 
     def lookup(self, row: int, k: int, bonus: int) -> int | None:
         """Index of the branch of (row, k, bonus) holding at least one token, or None (a miss)."""
         for i, b in enumerate(self.branches):
-            if b.row == row and b.outcome.accepted == k and b.outcome.bonus == bonus and b.tokens:
+            if b.row == row and b.outcome.accepted == k and b.outcome.bonus == bonus and self.drafted(i):
                 return i
         return None
+
+    def take(self, i: int) -> Branch:
+        """Branch i with its tokens, their distributions and the draft's tops at each, read from the steps."""
+        b = self.branches[i]
+        first = int(b.rank is not None)
+        steps = range(first, first + self.drafted(i))
+        b.tokens = [self.chosen[s][i] for s in steps]
+        b.tops = [(self.tops[s][0][i], self.tops[s][1][i]) for s in steps]
+        b.q = [self.probs[s][i] for s in steps] if self.probs else []
+        return b
 
 
 def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: int, budget: int, alpha: float,
@@ -85,7 +105,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         return
     kv = drafter.kv.gather(sources)
     kv.settle(torch.tensor([b.outcome.accepted for b in branches]))  # each copy keeps what its outcome accepts
-    tree.cache, tree.branches = kv, branches
+    tree.cache, tree.branches, tree.gamma = kv, branches, gamma
     # Step 0 feeds each copy's first block (right-aligned); later steps one token each, at its next position.
     width = max(len(ids) for ids, _ in feeds)
     ids = torch.full((len(branches), width), drafter.pad, dtype=torch.long)
@@ -94,32 +114,34 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     for i, (toks, at) in enumerate(feeds):
         ids[i, width - len(toks):], valid[i, width - len(toks):] = torch.tensor(toks), 1
         pos[i, width - len(toks):] = torch.tensor(at)
-    late = torch.tensor([b.rank is not None for b in branches], dtype=torch.long)
+    late_at = [i for i, b in enumerate(branches) if b.rank is not None]
+    late = torch.zeros(len(branches), dtype=torch.long)
+    late[late_at] = 1
     nxt = pos[:, -1:] + 1
     step_s = None
-    for j in range(gamma + 1):  # a late branch needs one step more
+    # Per step only whole-tensor work: this thread's Python holds the interpreter lock the verifying caller needs.
+    for j in range(gamma + int(bool(late_at))):  # a late branch needs one step more
         t = time.perf_counter()
         if should_stop() or (deadline is not None and step_s is not None and t + (1 - LATE_GRACE) * step_s > deadline):
             break
         if j:  # a copy's step-j token is its candidate j (j - 1 for a late one); full copies feed nothing
-            valid = torch.tensor([[int(len(b.tokens) < gamma)] for b in branches])
+            valid = ((j - late) < gamma).long()[:, None]
         tag = (j - late).clamp(min=0)[:, None] if j else 0
         probs = drafter.probs(kv.forward(ids, valid, pos, keep_last=1, tag=tag)[:, -1])
-        chosen, tops = drafter.choose(probs), drafter.tops(probs)
-        for i, b in enumerate(branches):
-            if b.rank is not None and j == 0:  # the bonus of a late branch: its rank among the draft's tops
-                chosen[i] = tops[i][1][b.rank]
+        chosen, top = drafter.choose(probs), drafter.top_table(probs)
+        if j == 0 and late_at:  # the bonus of a late branch: its rank among the draft's tops
+            chosen = chosen.clone()
+            for i in late_at:
+                b = branches[i]
+                chosen[i] = top[1][i, b.rank]
                 b.outcome = Outcome(b.outcome.accepted, int(chosen[i]), b.outcome.prob)
-                rows[b.row].tops[len(candidates[b.row]):] = [tops[i]]  # what the round's bonus ranks against
-            elif len(b.tokens) < gamma:
-                b.tokens.append(int(chosen[i]))
-                b.tops.append(tops[i])
-                if drafter.do_sample:
-                    b.q.append(probs[i])
+                rows[b.row].tops[len(candidates[b.row]):] = [(top[0][i], top[1][i])]  # the round's bonus ranks here
+        tree.chosen.append(chosen.tolist())
+        tree.tops.append(top)
+        if drafter.do_sample:
+            tree.probs.append(probs)
         step_s = time.perf_counter() - t
         tree.steps.append((len(branches), step_s))
-        if all(len(b.tokens) >= gamma for b in branches):
-            break
         ids, pos, nxt = chosen[:, None], nxt, nxt + 1
 
 
