@@ -389,14 +389,15 @@ def _draft_greedy(draft, context: list[int], n: int) -> tuple[list[int], list[fl
     return out[len(context):], probs
 
 
-def _job_setup(pair, lengths, seed, gamma):
+def _job_setup(pair, lengths, seed, gamma, do_sample=False):
     """Rows of a padded batch after the draft's prefill and a proposal of `gamma` candidates (2 rows without)."""
     from hf_ssd.batch.draft import BatchDrafter
 
     target, _, noisy = pair
     ids, mask = padded_batch(lengths, seed)
     rows = loop._rows(ids, mask)
-    drafter = BatchDrafter(noisy, target.config.vocab_size, False, None, pad=0, top_k=17)
+    drafter = BatchDrafter(noisy, target.config.vocab_size, do_sample, None, pad=0, top_k=17,
+                           generator=torch.Generator().manual_seed(seed))
     drafter.prefill(rows)
     for r in rows:  # a first new token each, as the target's prefill yields: rows without candidates read two
         r.real.append(int(r.real[-1]) % 50 + 3)
@@ -440,6 +441,26 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
             assert ranked == rows[i].tops[len(c)][1][: len(ranked)].tolist()
             tokens, probs = _draft_greedy(draft, rows[i].real + c, 1)
             assert ranked[0] == tokens[0] and float(rows[i].tops[len(c)][0][0]) == pytest.approx(probs[0], abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_every_sampled_branch_keeps_the_distribution_each_token_was_drawn_from(pair, seed):
+    """Sampling: a taken branch's q at each of its tokens is the draft's distribution there (what speculative
+    sampling divides by), for late branches too. Fails when a branch's q belongs to another copy or step."""
+    from hf_ssd.batch.speculate import Tree, speculate
+
+    gamma = 3
+    draft, drafter, rows, candidates = _job_setup(pair, lengths_for(6, seed), seed, gamma, do_sample=True)
+    tree = Tree()
+    speculate(drafter, rows, candidates, gamma, 8, 0.6, lambda row, o: True, tree, lambda: False)
+    assert any(b.rank is not None for b in tree.branches)
+    for b in map(tree.take, range(len(tree.branches))):
+        context = rows[b.row].real + candidates[b.row][: b.outcome.accepted] + [b.outcome.bonus]
+        assert len(b.q) == len(b.tokens) == gamma
+        with torch.no_grad():
+            for j, q in enumerate(b.q):
+                want = torch.softmax(draft(input_ids=torch.tensor([context + b.tokens[:j]])).logits[0, -1].float(), -1)
+                assert torch.allclose(q[: want.shape[0]].float(), want, atol=1e-5), (b.row, b.outcome, b.rank, j)
 
 
 def test_a_job_stops_stepping_once_its_next_step_would_end_past_the_verify():

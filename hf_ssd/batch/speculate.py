@@ -133,8 +133,9 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
             chosen = chosen.clone()
             for i in late_at:
                 b = branches[i]
-                chosen[i] = top[1][i, b.rank]
-                b.outcome = Outcome(b.outcome.accepted, int(chosen[i]), b.outcome.prob)
+                bonus = int(top[1][i, b.rank])  # `top` is on the CPU, `chosen` on the draft's device
+                chosen[i] = bonus
+                b.outcome = Outcome(b.outcome.accepted, bonus, b.outcome.prob)
                 rows[b.row].tops[len(candidates[b.row]):] = [(top[0][i], top[1][i])]  # the round's bonus ranks here
         tree.chosen.append(chosen.tolist())
         tree.tops.append(top)
@@ -147,9 +148,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
 
 def _unread(row, candidates: list[int]) -> tuple[list[int], list[int]]:
     """(tokens, positions) the draft has not read before the row's last outcome: the row's tokens since it last
-    drafted, then candidates it did not feed (the last one, at least)."""
-    start = row.draft_fed + row.draft_feed
-    tokens = row.real[start:] + candidates[row.tagged:] if candidates else row.real[start:]
-    base = len(row.real)
-    positions = list(range(start, base)) + (list(range(base + row.tagged, base + len(candidates))) if candidates else [])
-    return tokens, positions
+    drafted, then candidates it did not feed (the last one, at least; none for a row without candidates)."""
+    start, base = row.draft_fed + row.draft_feed, len(row.real)
+    return (row.real[start:] + candidates[row.tagged:],
+            list(range(start, base)) + list(range(base + row.tagged, base + len(candidates))))
