@@ -250,6 +250,27 @@ def test_speculation_with_an_identical_draft_hits_nearly_always(pair):
         assert stats.cache_hits >= 0.8 * stats.lookups > 0, (stats.cache_hits, stats.lookups)
 
 
+def test_the_prefill_rounds_job_pre_drafts_the_first_decoding_round(pair, monkeypatch):
+    """The prompt prefill yields each row's first token; a job running behind it pre-drafts the round after, so
+    that round is a hit for every row (with an identical draft, whose top token is the target's). Before, the
+    first decoding round had no branch: every row drafted on the critical path. A 5-token call is the prefill and
+    one 4-token round (gamma 3), so every lookup is the prefill job's; rows that end are no lookups."""
+    target, _, _ = pair
+    same = noisy_copy(target, 0.0)
+    ids, mask = padded_batch(lengths_for(6, 9), 9)
+    config = SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout="inline", **QUIET)
+    drafted_now = []
+    propose = loop.BatchDrafter.propose
+    monkeypatch.setattr(loop.BatchDrafter, "propose",
+                        lambda self, rows, n: drafted_now.append(n) or propose(self, rows, n))
+    out = target.generate(ids, attention_mask=mask, assistant_model=same, do_sample=False, max_new_tokens=5,
+                          ssd_config=config)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5))
+    stats = hf_ssd.last_stats(target)
+    assert (stats.cache_hits, stats.cache_misses) == (6, 0)
+    assert stats.rounds == 2 and drafted_now == []  # nothing drafted on the critical path
+
+
 @pytest.mark.parametrize(("kw", "phrase"), [
     ({"pipeline_depth": 2}, "pipeline_depth=2: this setting serves one prompt at a time"),
     ({"saguaro_c": 0.5, "cache_size": 8}, "saguaro_c=0.5, cache_size=8: these settings serve one prompt"),

@@ -303,8 +303,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             with speculator.on_critical_path():
                 _propose(drafter, live, rnd)
             t1 = time.perf_counter()
-            nxt = None if first else _decide(scheduler)
-            if nxt is not None and nxt[0].kind == "ssd":
+            nxt = _decide(scheduler)  # in the prefill round too: its job pre-drafts round 2 behind the prefill
+            if nxt[0].kind == "ssd":
                 _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference)
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, live, rnd.candidates, pad)
@@ -438,7 +438,9 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
                              for c in rnd.candidates]
         verify_s = scheduler.costs.verify(max(map(len, rnd.candidates)), option.budget)
     candidates = [list(c) for c in rnd.candidates]
-    deadline = time.perf_counter() + verify_s if verify_s is not None and not scheduler.inline else None
+    # A prompt prefill's time is not a verify's: that job runs until the prefill ends (at most gamma + 1 steps).
+    timed = verify_s is not None and not scheduler.inline and not rnd.prefill
+    deadline = time.perf_counter() + verify_s if timed else None
 
     def job(should_stop):
         with torch.inference_mode(inference):
@@ -566,16 +568,20 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             tree = rnd.tree
             for width, step_s in tree.steps:
                 costs.add_tree_step(max(1, round(width / len(live))), step_s)
-            costs.add_overhead(job.budget, rnd.overhead_s)
-            for found, predicted in zip(rnd.found, rnd.job_predicted):
-                costs.add_lookup(job.budget, found is not None, predicted)
+            if not first:  # the prefill round's overhead holds the draft's prompt prefill
+                costs.add_overhead(job.budget, rnd.overhead_s)
+            for row, found, predicted in zip(live, rnd.found, rnd.job_predicted):
+                if not row.done:  # a row that ended needs no next round: neither a hit nor a miss
+                    costs.add_lookup(job.budget, found is not None, predicted)
         costs.add_round()
     for row, c, k in zip(live, rnd.candidates, rnd.accepted):
         row.rounds += 1
         row.proposed += len(c)
         row.accepted += k
     if job is not None:
-        for found, predicted in zip(rnd.found, rnd.job_predicted):
+        for row, found, predicted in zip(live, rnd.found, rnd.job_predicted):
+            if row.done:
+                continue
             stats.add_lookup(predicted, found is not None)
             stats.cache_hits += found is not None
             stats.cache_misses += found is None

@@ -119,17 +119,21 @@ class RaggedCache:
         rows are right-padded with masked columns. Used to copy rows for speculation and to adopt them."""
         caches = list({id(c): c for c, _ in sources}.values())
         width = max(c.columns for c in caches)
-        base = {id(c): 0 for c in caches}
-        at = 0
-        for c in caches:
-            base[id(c)] = at
-            at += c.mask.shape[0]
-        index = torch.tensor([base[id(c)] + r for c, r in sources], device=self.device)
+        # Only the rows taken are copied: adopting 8 rows out of a job's 128 copies must not copy all 128.
+        groups = {id(c): [i for i, (src, _) in enumerate(sources) if src is c] for c in caches}
+        picks = [torch.tensor([sources[i][1] for i in groups[id(c)]], device=self.device) for c in caches]
+        # The concatenation holds the picks grouped by cache; `order` puts them back in the order of `sources`.
+        order = None if len(caches) == 1 else torch.argsort(
+            torch.tensor([i for c in caches for i in groups[id(c)]], device=self.device))
 
         def stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
-            pads = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, width - t.shape[dim]))
-                    for t in tensors]
-            return torch.cat(pads)[index]
+            parts = []
+            for t, pick in zip(tensors, picks):
+                t = t.index_select(0, pick)
+                if t.shape[dim] < width:
+                    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, width - t.shape[dim]))
+                parts.append(t)
+            return parts[0] if order is None else torch.cat(parts)[order]
 
         out = copy.copy(self)
         out.cache = new_cache()
