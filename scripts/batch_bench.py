@@ -90,7 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--target-ms", type=float, default=40.0, help="--sim: milliseconds per target forward")
     p.add_argument("--draft-ms", type=float, default=10.0, help="--sim: milliseconds per draft forward")
     p.add_argument("--device", default="cpu", help="cpu or cuda (real pair)")
-    p.add_argument("--dtype", default="auto", help="real pair: auto (float32 on CPU, bfloat16 on CUDA), float32, ...")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: the real pair float32 on CPU, bfloat16 on CUDA; --sim float32; --tiny float64 (as the "
+                        "tests build it); or float32, float64, ...")
     p.add_argument("--memory-batch", type=int, default=None, help="B of the memory measurement (default: the largest)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--memory-only", action="store_true", help="only the memory measurement (no throughput)")
@@ -115,6 +117,12 @@ def load(args):
         from hf_ssd.models.tiny import tiny_pair
 
         target, draft, tok = tiny_pair(noise=args.noise)
+        if args.sim or args.dtype != "auto":
+            # --sim: float32, so that the real compute of a job's wide steps stays under the simulated draft time
+            # (float64 ran over it at 128 branches of ~200 tokens on these cores: 16 ms a step, 12 ms a copy of
+            # the rows), which the simulation of an idle accelerator requires.
+            dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+            target, draft = target.to(dtype), draft.to(dtype)
         desc = f"{target.config._name_or_path} / {draft.config._name_or_path} (weight noise {args.noise})"
         if args.sim:
             from hf_ssd.models.simulated import DeviceCost, simulate_device
@@ -392,7 +400,7 @@ def main(argv=None) -> int:
         if args.sim:  # the draft's own greedy choices, for SSD's ceiling (not through the simulated device)
             from hf_ssd.models.tiny import tiny_pair
 
-            plain_draft = tiny_pair(noise=args.noise)[1]
+            plain_draft = tiny_pair(noise=args.noise)[1].to(next(draft.parameters()).dtype)
         rows = [] if args.memory_only else measure(args, target, draft, tok, encoded, plain_draft)
         del target, draft
         gc.collect()
