@@ -515,6 +515,32 @@ def test_a_batch_divides_the_job_branches_among_its_rows():
     assert budgets(SSDConfig(fanout_budget=16), 16) == {16}
 
 
+def test_a_shrinking_batchs_job_shares_the_batchs_branches_among_its_live_rows(pair, monkeypatch):
+    """Once rows have ended, the job gives the live rows the branches the whole batch had (budget x rows at the
+    call's start, divided by the live rows): the last rows decide when the call ends. An explicit fanout_budget
+    stays as set. Exact either way."""
+    target, _, noisy = pair
+    ids, mask = padded_batch(lengths_for(4, 11), 11)
+    seen = []
+    speculate = loop.speculate
+
+    def spy(drafter, rows, candidates, gamma, budget, *args, **kwargs):
+        seen.append((len(rows), budget))
+        return speculate(drafter, rows, candidates, gamma, budget, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "speculate", spy)
+    want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    hooks = {"plain": False, "options": lambda options: [o for o in options if o.name == "ssd(b=2,g=3)"]}
+    for config, share in ((SSDConfig(layout="inline", **QUIET), True),
+                          (SSDConfig(gamma=3, fanout_budget=2, layout="inline", **QUIET), False)):
+        seen.clear()
+        out = target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=False, max_new_tokens=NEW,
+                              ssd_config=config, _ssd_hooks=hooks)
+        assert torch.equal(out, want)
+        assert {live for live, _ in seen} > {4}, seen  # rows ended at different rounds
+        assert all(budget == (2 * 4 // live if share else 2) for live, budget in seen), seen
+
+
 def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_informed():
     """A batch's last rows run on the call's batch size's estimates until the live rows' size holds
     INFORMED_ROUNDS rounds (a size only tails measure would explore from the priors)."""

@@ -93,6 +93,7 @@ class Round:
     prefill: bool = False  # the first round: the target's prompt prefill alone
     hits: list[bool] = field(default_factory=list)  # per row: its candidates came from a pre-drafted branch
     job: Option | None = None  # the option of the next round, pre-drafted during this one's verify
+    job_budget: int = 0  # branches per row of that job (`_job_budget`)
     tree: Tree | None = None
     job_predicted: list[float] = field(default_factory=list)  # per row: P(its outcome is pre-drafted)
     bonus: list[int] = field(default_factory=list)
@@ -305,7 +306,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             t1 = time.perf_counter()
             nxt = _decide(scheduler)  # in the prefill round too: its job pre-drafts round 2 behind the prefill
             if nxt[0].kind == "ssd":
-                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference)
+                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, len(rows) if plan.auto_budgets else 0,
+                        allowed, inference)
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, live, rnd.candidates, pad)
             new_tokens = _accept(rnd, process(live, rnd.candidates, logits), do_sample)
@@ -429,12 +431,13 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
 
 
 def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, option: Option,
-            scheduler: Scheduler, allowed, inference: bool) -> None:
+            scheduler: Scheduler, share: int, allowed, inference: bool) -> None:
     """3. The next round's branches, pre-drafted while the target verifies this one."""
     rnd.job, rnd.tree = option, Tree()
+    rnd.job_budget = budget = _job_budget(option, share, len(live))
     with scheduler.costs.lock:
         alpha = scheduler.costs.acceptance
-        rnd.job_predicted = [scheduler.hit_rate(option.budget, len(c), alpha, calibrated=False)
+        rnd.job_predicted = [scheduler.hit_rate(budget, len(c), alpha, calibrated=False)
                              for c in rnd.candidates]
         verify_s = scheduler.costs.verify(max(map(len, rnd.candidates)), option.budget)
     candidates = [list(c) for c in rnd.candidates]
@@ -444,10 +447,20 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
 
     def job(should_stop):
         with torch.inference_mode(inference):
-            speculate(drafter, live, candidates, option.gamma, option.budget, alpha, allowed, rnd.tree,
+            speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree,
                       should_stop, deadline)
 
     speculator.submit(job)
+
+
+def _job_budget(option: Option, share: int, live: int) -> int:
+    """Branches per row of a job: the option's budget, or, once rows have left a call that began with `share`
+    rows (0: the budget is the user's, kept as set), that call's branches shared among the live rows (within
+    BATCH_BRANCHES). A step over them costs about what the full batch's did, and a batch's last rows, whose
+    rounds decide when the call ends, then miss less."""
+    if live >= share:
+        return option.budget
+    return max(option.budget, min(BATCH_BRANCHES, option.budget * share) // live)
 
 
 def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
@@ -572,7 +585,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 costs.add_overhead(job.budget, rnd.overhead_s)
             for row, found, predicted in zip(live, rnd.found, rnd.job_predicted):
                 if not row.done:  # a row that ended needs no next round: neither a hit nor a miss
-                    costs.add_lookup(job.budget, found is not None, predicted)
+                    costs.add_lookup(rnd.job_budget, found is not None, predicted)
         costs.add_round()
     for row, c, k in zip(live, rnd.candidates, rnd.accepted):
         row.rounds += 1
