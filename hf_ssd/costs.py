@@ -184,7 +184,8 @@ class CostModel:
     - `verify_alone_with[t]`, `draft_with[t]`: the same two at t torch threads where the scheduler tries fewer
       threads than the default (a CPU shared with other work can run faster on one thread than on two).
     - `tree_step(w)`: one batched pre-draft step over w branches, as the background job measures it.
-    - `record`: the job's outcome-prediction forward; `overhead[b]`: critical-path time a job of budget b
+    - `record`: the job's time before its first branch step (one prompt: its outcome-prediction forward; a
+      batch: copying the rows for its branches); `overhead[b]`: critical-path time a job of budget b
       adds to the next round besides drafting (waiting for its current step, adopting a branch; with
       layout "inline" the whole job).
     - `ranks`: where the target's bonus token ranked among the draft's top tokens (the last cell: not among

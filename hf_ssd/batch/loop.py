@@ -581,6 +581,8 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             tree = rnd.tree
             for width, step_s in tree.steps:
                 costs.add_tree_step(max(1, round(width / len(live))), step_s)
+            if tree.setup_s is not None:  # the model counts the job's steps after it (`_hit_terms`)
+                costs.add_record(tree.setup_s)
             if not first:  # the prefill round's overhead holds the draft's prompt prefill
                 costs.add_overhead(job.budget, rnd.overhead_s)
             for row, found, predicted in zip(live, rnd.found, rnd.job_predicted):

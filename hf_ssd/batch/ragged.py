@@ -141,7 +141,10 @@ class RaggedCache:
             if holds_tensors(layer):
                 keys = stack([c.cache.layers[i].keys for c in caches], 2)
                 values = stack([c.cache.layers[i].values for c in caches], 2)
-                out.cache.update(keys, values, i)
+                # The layer is created by an empty update and then holds the copies: `update` would concatenate
+                # them to its empty tensors, copying every branch's rows a second time.
+                out.cache.update(keys[:, :, :0], values[:, :, :0], i)
+                out.cache.layers[i].keys, out.cache.layers[i].values = keys, values
         out.mask = stack([c.mask for c in caches], 1)
         out.tag = stack([c.tag for c in caches], 1)
         return out

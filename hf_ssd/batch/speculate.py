@@ -43,6 +43,7 @@ class Tree:
     cache: RaggedCache | None = None
     branches: list[Branch] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)  # (branches, seconds) per batched step
+    setup_s: float | None = None  # seconds from the job's start to its first step (predicting, copying rows)
     gamma: int = 0
     chosen: list[list[int]] = field(default_factory=list)  # per step: each copy's drafted token
     tops: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per step: [copies, K] top probs, ids
@@ -84,6 +85,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     the second, one token behind the others. A separate read before the first step would delay every branch
     by a draft forward (a quarter of the verify on an accelerator), and the job leaves the draft's own rows as
     the round left them: a miss costs nothing to undo."""
+    start = time.perf_counter()
     sources, branches, feeds = [], [], []
     for r, (row, c) in enumerate(zip(rows, candidates)):
         g = len(c)
@@ -108,17 +110,14 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     tree.cache, tree.branches, tree.gamma = kv, branches, gamma
     # Step 0 feeds each copy's first block (right-aligned); later steps one token each, at its next position.
     width = max(len(ids) for ids, _ in feeds)
-    ids = torch.full((len(branches), width), drafter.pad, dtype=torch.long)
-    valid = torch.zeros(len(branches), width, dtype=torch.long)
-    pos = torch.zeros(len(branches), width, dtype=torch.long)
-    for i, (toks, at) in enumerate(feeds):
-        ids[i, width - len(toks):], valid[i, width - len(toks):] = torch.tensor(toks), 1
-        pos[i, width - len(toks):] = torch.tensor(at)
+    ids = torch.tensor([[drafter.pad] * (width - len(t)) + t for t, _ in feeds])  # lists: a tensor op per branch
+    valid = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t, _ in feeds])  # would hold the GIL for ms
+    pos = torch.tensor([[0] * (width - len(t)) + at for t, at in feeds])
     late_at = [i for i, b in enumerate(branches) if b.rank is not None]
-    late = torch.zeros(len(branches), dtype=torch.long)
-    late[late_at] = 1
+    late = torch.tensor([int(b.rank is not None) for b in branches])
     nxt = pos[:, -1:] + 1
     step_s = None
+    tree.setup_s = time.perf_counter() - start
     # Per step only whole-tensor work: this thread's Python holds the interpreter lock the verifying caller needs.
     for j in range(gamma + int(bool(late_at))):  # a late branch needs one step more
         t = time.perf_counter()
