@@ -120,6 +120,35 @@ def test_rows_ending_early_at_eos(pair):
         assert min(ends) < NEW and len(set(ends)) > 1, ends
 
 
+class _StopAt(tf.StoppingCriteria):
+    """A row ends at its first new `token` (after the padded prompt's `width` columns): a criterion of the
+    caller's own, so the loop cannot reduce it to the length and EOS rule."""
+
+    def __init__(self, token: int, width: int):
+        self.token, self.width = token, width
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.width:] == self.token).any(dim=-1)
+
+
+def test_rows_ending_at_a_callers_stopping_criterion(pair):
+    """A stopping criterion of the caller's own ends rows where it would end them in the target's batched
+    generate (one token at a time, mid-round within accepted candidates too); with it, EOS and the length still
+    end the others."""
+    target, close, _ = pair
+    ids, mask = padded_batch(lengths_for(8, 4), 4)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)[:, ids.shape[1]:]
+    counts = torch.bincount(plain.flatten(), minlength=96)
+    token, eos = (int(t) for t in counts.argsort(descending=True)[:2])
+    criteria = tf.StoppingCriteriaList([_StopAt(token, ids.shape[1])])
+    for name in ("sd_g3", "ssd_g4_b4", "auto"):
+        stats = assert_rows_exact(target, close, ids, mask, name, stopping_criteria=criteria, eos_token_id=eos)
+        ends = {r["index"]: r["new_tokens"] for r in stats.rows}
+        mine = [i for i, row in enumerate(plain.tolist()) if token in row and (eos not in row or
+                                                                              row.index(token) < row.index(eos))]
+        assert mine and all(ends[i] == plain[i].tolist().index(token) + 1 for i in mine), (mine, ends)
+
+
 def test_compaction_keeps_rows_exact(pair, monkeypatch):
     """Compacting the ragged caches (dropping masked columns) every round changes nothing a row computes."""
     monkeypatch.setattr(ragged, "COMPACT_MIN", 0)
