@@ -142,6 +142,9 @@ class Scheduler:
         self.config = config
         # Rows of a batch (batch/loop.py): a round runs the miss fallback if any row misses.
         self.rows = rows
+        # Branches per row a job of budget b gives its rows: b, but a batch's job shares the branches of the rows
+        # that have ended among the live ones (batch/loop.py `_job_budget`), which sets this before deciding.
+        self.job_budget = lambda b: b
         # Jobs feed the last candidate in their first tree step (generator, "the last candidate"): branches of
         # the outcome k = g then start a step after the others.
         self.deferred_record = deferred_record and not inline
@@ -329,7 +332,7 @@ class Scheduler:
             steps = max(1, math.floor(max(0.0, tv - (c.record.value or 0.0)) / step + LATE_GRACE))
             n_hit = min(g, steps)
         # The job that must hit runs while the round's candidates are verified: after a hit, n_hit of them.
-        p = self.hit_rate(b, n_hit, c.acceptance if alpha is None else alpha) if b > 0 else 0.0
+        p = self.hit_rate(self.job_budget(b), n_hit, c.acceptance if alpha is None else alpha) if b > 0 else 0.0
         e_hit = self._expected(n_hit, alpha)
         if self.deferred_record and steps is not None and steps > 1:
             # A hit on k = g (all n_hit candidates accepted) returns a branch that started a step late.

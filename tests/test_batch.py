@@ -546,8 +546,8 @@ def test_a_batch_divides_the_job_branches_among_its_rows():
 
 def test_a_shrinking_batchs_job_shares_the_batchs_branches_among_its_live_rows(pair, monkeypatch):
     """Once rows have ended, the job gives the live rows the branches the whole batch had (budget x rows at the
-    call's start, divided by the live rows): the last rows decide when the call ends. An explicit fanout_budget
-    stays as set. Exact either way."""
+    call's start, divided by the live rows): the last rows decide when the call ends. The scheduler's model
+    predicts their hits with those branches. An explicit fanout_budget stays as set. Exact either way."""
     target, _, noisy = pair
     ids, mask = padded_batch(lengths_for(4, 11), 11)
     seen = []
@@ -558,6 +558,10 @@ def test_a_shrinking_batchs_job_shares_the_batchs_branches_among_its_live_rows(p
         return speculate(drafter, rows, candidates, gamma, budget, *args, **kwargs)
 
     monkeypatch.setattr(loop, "speculate", spy)
+    modelled = []  # the budgets the scheduler's model predicts hits with (the job's own prediction is uncalibrated)
+    hit_rate = loop.Scheduler.hit_rate
+    monkeypatch.setattr(loop.Scheduler, "hit_rate", lambda self, budget, gamma, alpha, calibrated=True: (
+        modelled.append(budget) if calibrated else None) or hit_rate(self, budget, gamma, alpha, calibrated))
     want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
     hooks = {"plain": False, "options": lambda options: [o for o in options if o.name == "ssd(b=2,g=3)"]}
     for config, share in ((SSDConfig(layout="inline", **QUIET), True),
@@ -568,6 +572,9 @@ def test_a_shrinking_batchs_job_shares_the_batchs_branches_among_its_live_rows(p
         assert torch.equal(out, want)
         assert {live for live, _ in seen} > {4}, seen  # rows ended at different rounds
         assert all(budget == (2 * 4 // live if share else 2) for live, budget in seen), seen
+        # The model predicts the live rows' hits with the branches their job will have.
+        assert set(modelled) == ({2 * 4 // live for live, _ in seen if live < 4} | {2} if share else {2}), modelled
+        modelled.clear()
 
 
 def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_informed():

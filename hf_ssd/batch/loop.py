@@ -19,6 +19,7 @@ every row computes what it would compute alone. The output is padded as transfor
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -295,12 +296,14 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         return o.bonus not in eos and len(row.ids) + o.accepted + 2 < max_length
 
     call_costs = plan.scheduler(len(rows)).costs  # the call's verdict on plain decoding is kept at its batch size
+    share = len(rows) if plan.auto_budgets else 0  # rows whose job branches the live rows share (`_job_budget`)
     first, nxt, decoding = True, None, None
     try:
         with speculator.on_critical_path():
             draft_prefill_s = _prefill_draft(drafter, live, call_costs)
         while live:
             scheduler = plan.scheduler_for(len(live), len(rows))
+            scheduler.job_budget = functools.partial(_job_budget, share=share, live=len(live))
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
@@ -308,8 +311,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             t1 = time.perf_counter()
             nxt = _decide(scheduler)  # in the prefill round too: its job pre-drafts round 2 behind the prefill
             if nxt[0].kind == "ssd":
-                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, len(rows) if plan.auto_budgets else 0,
-                        allowed, inference)
+                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, share, allowed, inference)
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, live, rnd.candidates, pad)
             new_tokens = _accept(rnd, process(live, rnd.candidates, logits), do_sample)
@@ -436,7 +438,7 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
             scheduler: Scheduler, share: int, allowed, inference: bool) -> None:
     """3. The next round's branches, pre-drafted while the target verifies this one."""
     rnd.job, rnd.tree = option, Tree()
-    rnd.job_budget = budget = _job_budget(option, share, len(live))
+    rnd.job_budget = budget = _job_budget(option.budget, share, len(live))
     with scheduler.costs.lock:
         alpha = scheduler.costs.acceptance
         rnd.job_predicted = [scheduler.hit_rate(budget, len(c), alpha, calibrated=False)
@@ -455,14 +457,14 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
     speculator.submit(job)
 
 
-def _job_budget(option: Option, share: int, live: int) -> int:
-    """Branches per row of a job: the option's budget, or, once rows have left a call that began with `share`
-    rows (0: the budget is the user's, kept as set), that call's branches shared among the live rows (within
-    BATCH_BRANCHES). A step over them costs about what the full batch's did, and a batch's last rows, whose
-    rounds decide when the call ends, then miss less."""
+def _job_budget(budget: int, share: int, live: int) -> int:
+    """Branches per row of a job of this budget: the budget, or, once rows have left a call that began with
+    `share` rows (0: the budget is the user's, kept as set), that call's branches shared among the live rows
+    (within BATCH_BRANCHES). A step over them costs about what the full batch's did, and a batch's last rows,
+    whose rounds decide when the call ends, then miss less. The scheduler predicts hits with it too."""
     if live >= share:
-        return option.budget
-    return max(option.budget, min(BATCH_BRANCHES, option.budget * share) // live)
+        return budget
+    return max(budget, min(BATCH_BRANCHES, budget * share) // live)
 
 
 def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
