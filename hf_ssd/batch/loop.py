@@ -26,7 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..costs import cost_model_for, estimates_of
