@@ -85,6 +85,8 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     the second, one token behind the others. A separate read before the first step would delay every branch
     by a draft forward (a quarter of the verify on an accelerator), and the job leaves the draft's own rows as
     the round left them: a miss costs nothing to undo."""
+    if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
+        return
     start = time.perf_counter()
     sources, branches, feeds = [], [], []
     for r, (row, c) in enumerate(zip(rows, candidates)):
