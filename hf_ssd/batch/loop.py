@@ -209,6 +209,7 @@ class BatchPlan:
         costs = scheduler.costs
         if not costs.rounds_seen or not costs.plain_step.value:
             return False
+        scheduler.job_budget = lambda b: b  # a new call: all its rows live (a past call's tail set it wider)
         with costs.frozen():
             _, best = scheduler.best()
         return best is not None and best.rate * costs.plain_step.value < 1.0
