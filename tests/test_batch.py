@@ -387,6 +387,26 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
     assert set(paths[1:-1]) == {"batched"}, paths
 
 
+def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_verdict():
+    """Before the whole-call verdict, the loop's measured rounds decide plain when none of its drafting options
+    ran faster than plain's measured step (tokens a row per second), whatever the per-round model predicts
+    (it is optimistic on CPU cores); a faster measured option leaves the call to the loop."""
+    from hf_ssd.schedule import Option, Prediction
+
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    draft = noisy_copy(target, 0.02)
+    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    costs = plan.scheduler(4).costs
+    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
+    costs.add_round()
+    optimistic = Prediction(tokens=4.0, seconds=0.01)  # the model's view: 400 a second
+    costs.add_round_outcome(Option("sd", 3), 2, 0.05, optimistic)  # measured: 40 a second
+    costs.add_round_outcome(Option("ar"), 1, 0.005, optimistic)  # AR rounds never count: one token, as plain
+    assert plan._model_says_plain(4)
+    costs.add_round_outcome(Option("ssd", 3, 4), 3, 0.01, optimistic)  # measured: 300 a second
+    assert not plan._model_says_plain(4)
+
+
 def test_plain_decoding_is_not_chosen_where_drafting_pays():
     """The opposite device: a verify costs the same at any number of candidates (memory-bound) and drafting is
     cheap, so SD beats AR: after the first call (plain decoding, measured), every call runs the loop."""
