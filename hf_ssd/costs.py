@@ -338,6 +338,11 @@ class CostModel:
         t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
         return (tokens + t_prior) / (pred_tokens + t_prior), (seconds + s_prior) / (pred_seconds + s_prior)
 
+    def measured_rate(self, option) -> float:
+        """Tokens a row per second over this option's own rounds (decayed as `correction`'s sums), 0 if none."""
+        sums = self.outcomes.get(option)
+        return sums[1] / sums[3] if sums is not None and sums[3] > 0 else 0.0
+
     @_locked
     def add_record(self, seconds: float) -> None:
         self.record.update(seconds)

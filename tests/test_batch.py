@@ -402,9 +402,9 @@ def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_ve
     optimistic = Prediction(tokens=4.0, seconds=0.01)  # the model's view: 400 a second
     costs.add_round_outcome(Option("sd", 3), 2, 0.05, optimistic)  # measured: 40 a second
     costs.add_round_outcome(Option("ar"), 1, 0.005, optimistic)  # AR rounds never count: one token, as plain
-    assert plan._model_says_plain(4)
+    assert plan._condemned_early(4)
     costs.add_round_outcome(Option("ssd", 3, 4), 3, 0.01, optimistic)  # measured: 300 a second
-    assert not plan._model_says_plain(4)
+    assert not plan._condemned_early(4)
 
 
 def test_plain_decoding_is_not_chosen_where_drafting_pays():

@@ -193,13 +193,13 @@ class BatchPlan:
                     at, other = nearest
                     with other.lock:
                         plain = bool(_plain_wins(other, prompt * at // size, new_tokens))
-                plain = plain or self._model_says_plain(len(rows))
+                plain = plain or self._condemned_early(len(rows))
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
             if costs.plain_streak > PLAIN_REFRESH:
                 costs.plain_streak, plain = 0, False
         return plain
 
-    def _model_says_plain(self, rows: int) -> bool:
+    def _condemned_early(self, rows: int) -> bool:
         """Before the loop's speedup is judged at this size: whether the loop rounds measured so far show no
         option beating plain decoding's measured step (one token a row), neither as measured (tokens a row
         over seconds, each option's own rounds) nor as the per-round model rates them. Both only ever condemn
@@ -212,7 +212,7 @@ class BatchPlan:
         step = costs.plain_step.value
         if not costs.rounds_seen or not step:
             return False
-        measured = [v[1] / v[3] for o, v in costs.outcomes.items() if o.kind != "ar" and v[3] > 0]
+        measured = [costs.measured_rate(o) for o in costs.outcomes if o.kind != "ar"]
         if measured and max(measured) * step < 1.0:
             return True
         scheduler.job_budget = lambda b: b  # a new call: all its rows live (a past call's tail set it wider)

@@ -111,9 +111,10 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     kv.settle(torch.tensor([b.outcome.accepted for b in branches]))  # each copy keeps what its outcome accepts
     tree.cache, tree.branches, tree.gamma = kv, branches, gamma
     # Step 0 feeds each copy's first block (right-aligned); later steps one token each, at its next position.
+    # Built from lists: a tensor op per branch would hold the interpreter lock for milliseconds at 128 branches.
     width = max(len(ids) for ids, _ in feeds)
-    ids = torch.tensor([[drafter.pad] * (width - len(t)) + t for t, _ in feeds])  # lists: a tensor op per branch
-    valid = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t, _ in feeds])  # would hold the GIL for ms
+    ids = torch.tensor([[drafter.pad] * (width - len(t)) + t for t, _ in feeds])
+    valid = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t, _ in feeds])
     pos = torch.tensor([[0] * (width - len(t)) + at for t, at in feeds])
     late_at = [i for i, b in enumerate(branches) if b.rank is not None]
     late = torch.tensor([int(b.rank is not None) for b in branches])
