@@ -596,6 +596,31 @@ def test_a_shrinking_batchs_job_shares_the_batchs_branches_among_its_live_rows(p
         modelled.clear()
 
 
+def test_every_round_is_measured_at_its_live_rows_size(pair, monkeypatch):
+    """A batch's tail rounds (fewer rows live: a cheaper verify on CPU cores, more tokens a row per second) go to
+    the estimates of the live rows' own size, not the call's, whichever size decides them: counted at the call's
+    size they made drafting look faster than a plain step there."""
+    from hf_ssd.costs import reset_estimates
+
+    target, _, noisy = pair
+    reset_estimates(target)
+    ids, mask = padded_batch(lengths_for(4, 11), 11)
+    seen = []  # per round: (live rows, the estimates its costs went to)
+    measure = loop._measure
+    monkeypatch.setattr(loop, "_measure", lambda scheduler, stats, rnd, live, *a: (
+        seen.append((len(live), scheduler.costs)), measure(scheduler, stats, rnd, live, *a)))
+    target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=False, max_new_tokens=NEW,
+                    ssd_config=SSDConfig(**QUIET), _ssd_hooks={"plain": False, **only("sd")})
+    sizes = {loop._size(live) for live, _ in seen}
+    assert sizes > {4}, seen  # rows ended at different rounds
+    by_size = {size: {id(c) for live, c in seen if loop._size(live) == size} for size in sizes}
+    assert all(len(ids) == 1 for ids in by_size.values()) and len(set().union(*by_size.values())) == len(sizes)
+    for size in sizes:
+        costs = next(c for live, c in seen if loop._size(live) == size)
+        assert costs.rounds_seen == sum(loop._size(live) == size for live, _ in seen), size
+    reset_estimates(target)
+
+
 def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_informed():
     """A batch's last rows run on the call's batch size's estimates until the live rows' size holds
     INFORMED_ROUNDS rounds (a size only tails measure would explore from the priors)."""

@@ -161,7 +161,9 @@ class BatchPlan:
         once its estimates hold INFORMED_ROUNDS rounds, else the call's own. A batch's last rows (its slowest,
         often a third of its rounds) would otherwise run on a size that only such tails measure, exploring from
         the priors while the call's size is informed; fewer rows cost about the same on an accelerator and less
-        on CPU cores, so the call's estimates err on the slow side."""
+        on CPU cores, so the call's estimates err on the slow side. Every round is measured at its live rows'
+        own size (`decode`): a tail round's cheaper verify and higher rate per row, counted at the call's size,
+        made SD look faster than plain decoding there (real pair, B = 8)."""
         if _size(live) != _size(start):
             costs = self._informed(_size(live))
             if costs is None or costs.rounds_seen < INFORMED_ROUNDS:
@@ -329,7 +331,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             draft_prefill_s = _prefill_draft(drafter, live, call_costs)
         while live:
             scheduler = plan.scheduler_for(len(live), len(rows))
-            scheduler.job_budget = functools.partial(_job_budget, share=share, live=len(live))
+            measured = plan.scheduler(len(live))  # the round's costs go to its own size's estimates
+            scheduler.job_budget = measured.job_budget = functools.partial(_job_budget, share=share, live=len(live))
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
@@ -349,7 +352,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
-            _measure(scheduler, stats, rnd, live, appended, first)
+            _measure(measured, stats, rnd, live, appended, first)
             first = False
             live = _leave(live, target, drafter)
             decoding = decoding or time.perf_counter()  # the target's prefill done: decoding starts
