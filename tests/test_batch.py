@@ -390,7 +390,8 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
 def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_verdict():
     """Before the whole-call verdict, the loop's measured rounds decide plain when none of its drafting options
     ran faster than plain's measured step (tokens a row per second), whatever the per-round model predicts
-    (it is optimistic on CPU cores); a faster measured option leaves the call to the loop."""
+    (it is optimistic on CPU cores); a faster measured option leaves the call to the loop, unless the draft's
+    prompt prefill (measured) would eat its gain over the call's new tokens."""
     from hf_ssd.schedule import Option, Prediction
 
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
@@ -402,9 +403,14 @@ def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_ve
     optimistic = Prediction(tokens=4.0, seconds=0.01)  # the model's view: 400 a second
     costs.add_round_outcome(Option("sd", 3), 2, 0.05, optimistic)  # measured: 40 a second
     costs.add_round_outcome(Option("ar"), 1, 0.005, optimistic)  # AR rounds never count: one token, as plain
-    assert plan._condemned_early(4)
+    assert plan._condemned_early(4, 400, 64)
     costs.add_round_outcome(Option("ssd", 3, 4), 3, 0.01, optimistic)  # measured: 300 a second
-    assert not plan._condemned_early(4)
+    assert not plan._condemned_early(4, 400, 64)
+    # 63 steps: plain 0.63 s, the loop 0.21 s after the draft's prefill: 0.5 s for 400 prompt tokens loses.
+    costs.add_draft_prefill(400, 0.5)
+    assert plan._condemned_early(4, 400, 64)
+    assert not plan._condemned_early(4, 100, 64)  # 0.125 s: the loop wins
+    assert plan._condemned_early(4, 100, 16)  # 15 steps: plain 0.15 s, the loop 0.05 s after 0.125 s
 
 
 def test_plain_decoding_is_not_chosen_where_drafting_pays():

@@ -195,32 +195,40 @@ class BatchPlan:
                     at, other = nearest
                     with other.lock:
                         plain = bool(_plain_wins(other, prompt * at // size, new_tokens))
-                plain = plain or self._condemned_early(len(rows))
+                plain = plain or self._condemned_early(len(rows), prompt, new_tokens)
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
             if costs.plain_streak > PLAIN_REFRESH:
                 costs.plain_streak, plain = 0, False
         return plain
 
-    def _condemned_early(self, rows: int) -> bool:
-        """Before the loop's speedup is judged at this size: whether the loop rounds measured so far show no
-        option beating plain decoding's measured step (one token a row), neither as measured (tokens a row
-        over seconds, each option's own rounds) nor as the per-round model rates them. Both only ever condemn
-        the loop early, where its whole-call verdict would wait for VERDICT_MIN_STEPS chosen steps: a size's
-        first loop call explores every option family and chooses none, and on the real pair at B = 8 the next
-        loop call ran 0.7-0.86x plain's speed. (The model alone is optimistic on CPU cores: it misses the rows
-        that end early and the draft's prompt prefill.)"""
+    def _condemned_early(self, rows: int, prompt_tokens: int, new_tokens: int) -> bool:
+        """Before the loop's speedup is judged at this size: whether the loop rounds measured so far show that a
+        call of these prompt and new tokens would run slower than plain decoding at its measured step (one token
+        a row): the draft's prompt prefill (which plain decoding never pays), then the new tokens at the best
+        option's rate, neither as measured (tokens a row over seconds, each option's own rounds) nor as the
+        per-round model rates it. Both only ever condemn the loop early, where its whole-call verdict would wait
+        for VERDICT_MIN_STEPS chosen steps: a size's first loop call explores every option family and chooses
+        none, and on the real pair at B = 8 the next loop call ran 0.7-0.87x plain's speed (the draft's prefill
+        of 8 prompts took a fifth of plain's decoding time there). (The model alone is optimistic on CPU cores:
+        it misses the rows that end early.)"""
         scheduler = self.scheduler(rows)
         costs = scheduler.costs
         step = costs.plain_step.value
         if not costs.rounds_seen or not step:
             return False
+        steps = max(1, new_tokens - 1)  # the first token comes with the prefill, in both
+        prefill_s = costs.draft_prefill.predict(prompt_tokens) or 0.0
+
+        def slower(rate: float) -> bool:  # tokens a row per second
+            return rate <= 0 or prefill_s + steps / rate >= steps * step
+
         measured = [costs.measured_rate(o) for o in costs.outcomes if o.kind != "ar"]
-        if measured and max(measured) * step < 1.0:
+        if measured and slower(max(measured)):
             return True
         scheduler.job_budget = lambda b: b  # a new call: all its rows live (a past call's tail set it wider)
         with costs.frozen():
             _, best = scheduler.best()
-        return best is not None and best.rate * step < 1.0
+        return best is not None and slower(best.rate)
 
     def _nearest_smaller(self, size: int) -> tuple[int, object] | None:
         """(batch size, CostModel) of this pair's estimates with a measured loop call at the largest size of
