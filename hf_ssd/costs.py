@@ -338,10 +338,18 @@ class CostModel:
         t_prior, s_prior = prior_rounds * pred_tokens / weight, prior_rounds * pred_seconds / weight
         return (tokens + t_prior) / (pred_tokens + t_prior), (seconds + s_prior) / (pred_seconds + s_prior)
 
-    def measured_rate(self, option) -> float:
-        """Tokens a row per second over this option's own rounds (decayed as `correction`'s sums), 0 if none."""
+    def measured_rate(self, option, toward: float | None = None, prior_rounds: float = 3.0) -> float:
+        """Tokens a row per second over this option's own rounds (decayed as `correction`'s sums), 0 if none;
+        `toward` given: shrunk towards that rate by `prior_rounds` rounds of the option's mean length that ran at
+        it, so that one lucky round does not rate an option (the first tokens of an answer are the easiest)."""
         sums = self.outcomes.get(option)
-        return sums[1] / sums[3] if sums is not None and sums[3] > 0 else 0.0
+        if sums is None or sums[3] <= 0:
+            return 0.0
+        weight, tokens, _, seconds, _ = sums
+        if toward is None:
+            return tokens / seconds
+        prior_s = prior_rounds * seconds / weight
+        return (tokens + prior_s * toward) / (seconds + prior_s)
 
     @_locked
     def add_record(self, seconds: float) -> None:

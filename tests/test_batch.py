@@ -404,13 +404,17 @@ def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_ve
     costs.add_round_outcome(Option("sd", 3), 2, 0.05, optimistic)  # measured: 40 a second
     costs.add_round_outcome(Option("ar"), 1, 0.005, optimistic)  # AR rounds never count: one token, as plain
     assert plan._condemned_early(4, 400, 64)
-    costs.add_round_outcome(Option("ssd", 3, 4), 3, 0.01, optimistic)  # measured: 300 a second
+    costs.add_round_outcome(Option("ssd", 3, 4), 3, 0.01, optimistic)  # measured: 300 a second, in one round
     assert not plan._condemned_early(4, 400, 64)
-    # 63 steps: plain 0.63 s, the loop 0.21 s after the draft's prefill: 0.5 s for 400 prompt tokens loses.
+    # One round is shrunk towards plain's rate by three rounds of its length at it: 6 tokens in 0.04 s.
+    assert costs.measured_rate(Option("ssd", 3, 4)) == pytest.approx(300)
+    assert costs.measured_rate(Option("ssd", 3, 4), toward=100) == pytest.approx(150)
+    # 63 steps: plain 0.63 s, the loop 0.42 s at 150 a second after the draft's prefill (1.25 ms a token).
     costs.add_draft_prefill(400, 0.5)
     assert plan._condemned_early(4, 400, 64)
-    assert not plan._condemned_early(4, 100, 64)  # 0.125 s: the loop wins
-    assert plan._condemned_early(4, 100, 16)  # 15 steps: plain 0.15 s, the loop 0.05 s after 0.125 s
+    assert plan._condemned_early(4, 200, 64)  # 0.25 + 0.42 s (at the one round's 300 a second: 0.46 s)
+    assert not plan._condemned_early(4, 100, 64)  # 0.125 + 0.42 s: the loop wins
+    assert plan._condemned_early(4, 100, 16)  # 15 steps: plain 0.15 s, the loop 0.1 s after 0.125 s
 
 
 def test_plain_decoding_is_not_chosen_where_drafting_pays():
