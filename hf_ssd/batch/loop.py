@@ -348,11 +348,12 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             with speculator.on_critical_path():
                 _propose(drafter, live, rnd)
             t1 = time.perf_counter()
+            feed = _verify_feed(live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             nxt = _decide(scheduler)  # in the prefill round too: its job pre-drafts round 2 behind the prefill
             if nxt[0].kind == "ssd":
                 _submit(speculator, drafter, live, rnd, nxt[0], scheduler, share, allowed, inference)
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
-            logits, fed = _verify(target, live, rnd.candidates, pad)
+            logits, fed = _verify(target, feed)
             new_tokens = _accept(rnd, process(live, rnd.candidates, logits), do_sample)
             t3 = time.perf_counter()
             speculator.collect()  # the job stops at its next step; its error is raised here
@@ -506,22 +507,30 @@ def _job_budget(budget: int, share: int, live: int) -> int:
     return max(budget, min(BATCH_BRANCHES, budget * share) // live)
 
 
-def _verify(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
-    """4. One target forward: each row's unverified tokens (right-aligned) then its candidates. Returns (logits
-    [rows, G + 1, V] at the last unverified token and at every candidate position, tokens fed per row)."""
+def _verify_feed(rows: list[Row], candidates: list[list[int]], pad: int):
+    """The verify's input: each row's unverified tokens (right-aligned) then its candidates, as (ids, valid,
+    positions, candidate tags), the candidate width, and the tokens fed per row. Built from lists (four tensors,
+    not four tensor ops a row), before the speculation job starts, whose Python competes for the interpreter
+    lock. (On the simulated device at B = 8 the round's time did not change: the wait moved into the target
+    forward's first ops, 1.4 ms a round beside a job against 0.1 ms without.)"""
     pending = [row.real[row.target_fed:] for row in rows]
     wp, g = max(len(p) for p in pending), max(len(c) for c in candidates)
-    ids = torch.full((len(rows), wp + g), pad, dtype=torch.long)
-    valid = torch.zeros(len(rows), wp + g, dtype=torch.long)
-    pos = torch.zeros(len(rows), wp + g, dtype=torch.long)
-    tags = torch.zeros(len(rows), wp + g, dtype=torch.long)
-    for i, (row, p, c) in enumerate(zip(rows, pending, candidates)):
-        lo, hi = wp - len(p), wp + len(c)
-        ids[i, lo:hi] = torch.tensor(p + c)
-        valid[i, lo:hi] = 1
-        pos[i, lo:hi] = torch.arange(row.target_fed, row.target_fed + len(p) + len(c))
-        tags[i, wp:hi] = torch.arange(1, len(c) + 1)
-    return target.forward(ids, valid, pos, keep_last=g + 1, tag=tags), [len(p) for p in pending]
+    ids, valid, pos, tags = [], [], [], []
+    for row, p, c in zip(rows, pending, candidates):
+        lo, n = wp - len(p), len(p) + len(c)
+        right = g - len(c)
+        ids.append([pad] * lo + p + c + [pad] * right)
+        valid.append([0] * lo + [1] * n + [0] * right)
+        pos.append([0] * lo + list(range(row.target_fed, row.target_fed + n)) + [0] * right)
+        tags.append([0] * wp + list(range(1, len(c) + 1)) + [0] * right)
+    return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, valid, pos, tags)), g, [len(p) for p in pending]
+
+
+def _verify(target: RaggedCache, feed):
+    """4. One target forward over every row's `_verify_feed`. Returns (logits [rows, G + 1, V] at the last
+    unverified token and at every candidate position, tokens fed per row)."""
+    (ids, valid, pos, tags), g, fed = feed
+    return target.forward(ids, valid, pos, keep_last=g + 1, tag=tags), fed
 
 
 def _accept(rnd: Round, scores: list[torch.Tensor], do_sample: bool) -> list[list[int]]:
