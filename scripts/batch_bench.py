@@ -6,6 +6,7 @@ Prints numbers; not a test.
     python scripts/batch_bench.py                   # the real pair (Qwen2.5-Coder 1.5B / 0.5B Instruct)
     python scripts/batch_bench.py --sim             # the tiny pair on a SIMULATED device (see below)
     python scripts/batch_bench.py --tiny --prompts 4 --max-new-tokens 16 --batch-sizes 1,2,4   # smoke check
+    python scripts/batch_bench.py --sim --batch-sizes 8 --no-memory --options 'ssd(b=16,g=4)'   # one fixed option
 
 Prompts: --prompts (16) of HumanEval and GSM (hf_ssd.bench.prompts; half each, HumanEval first), greedy,
 --max-new-tokens (64) each, --threads torch threads (2; 1 with --tiny/--sim). At each B the prompts, in the same order, are grouped
@@ -97,6 +98,10 @@ def parse_args(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--memory-only", action="store_true", help="only the memory measurement (no throughput)")
     p.add_argument("--no-profile", action="store_true", help="do not read the pair's tuning profile")
+    p.add_argument("--options", metavar="NAMES",
+                   help="SSD restricted to these options, ';'-separated as the report names them (e.g. "
+                        "'ssd(b=16,g=4);sd(g=3)'), with its loop forced (never plain batched decoding): fixed-option "
+                        "runs to set beside the scheduler's choice (batch sizes > 1: the batch loop's options)")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     p.add_argument("--memory-child", choices=MEMORY_METHODS, help=argparse.SUPPRESS)  # internal: one memory measurement
     args = p.parse_args(argv)
@@ -105,7 +110,33 @@ def parse_args(argv=None):
         args.threads = 1 if args.tiny or args.sim else 2
     if not args.batch_sizes or args.batch_sizes[0] < 1:
         p.error(f"--batch-sizes must be at least 1, got {args.batch_sizes}")
+    if args.options is not None:
+        args.options = [x.strip() for x in args.options.split(";") if x.strip()]
+        known = batch_option_names()
+        unknown = [x for x in args.options if x not in known]
+        if unknown or not args.options:
+            p.error(f"--options: unknown option(s) {unknown or args.options}; the batch loop's options are "
+                    f"{', '.join(sorted(known))}")
     return args
+
+
+def batch_option_names() -> set[str]:
+    """Names of the options the batch loop may choose with SSDConfig() (any batch size)."""
+    from hf_ssd.batch.loop import batch_options
+
+    config = SSDConfig()
+    options, _ = batch_options(config, config.resolved_budget(False)[0], {})
+    return {o.name for o in options}
+
+
+def ssd_hooks(args, method: str) -> dict | None:
+    """`_ssd_hooks` of an SSD call: the loop forced for "ssd_loop" and with --options (then restricted to them)."""
+    hooks = {}
+    if method == "ssd_loop" or args.options:
+        hooks["plain"] = False  # never plain batched decoding
+    if args.options:
+        hooks["options"] = lambda options: [o for o in options if o.name in args.options]
+    return hooks or None
 
 
 # ----------------------------------------------------------------------------------------------- setup
@@ -179,12 +210,12 @@ def prompts(args, tok) -> tuple[list[list[int]], str]:
                  f"{args.max_new_tokens} new tokens each, greedy")
 
 
-def call(method: str, target, draft, group, pad, new: int):
+def call(method: str, target, draft, group, pad, new: int, hooks: dict | None = None):
     kwargs = {"max_new_tokens": new, "do_sample": False}
     if method in ("ssd", "ssd_loop"):
         kwargs.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0))
-    if method == "ssd_loop":
-        kwargs["_ssd_hooks"] = {"plain": False}  # never plain batched decoding (the loop's own memory)
+        if hooks:
+            kwargs["_ssd_hooks"] = hooks
     tokens, seconds = generate_batch(target, group, pad, **kwargs)
     return tokens, seconds, hf_ssd.last_stats(target) if method != "target_batched" else None
 
@@ -202,11 +233,11 @@ def measure(args, target, draft, tok, encoded, plain_draft=None) -> list[dict]:
         row = {"batch_size": b, "calls": len(groups), "rows": [len(g) for g in groups]}
         for method in METHODS:
             for _ in range(args.warmup_calls):  # warm-up at this B
-                call(method, target, draft, groups[0], pad, args.warmup_tokens)
+                call(method, target, draft, groups[0], pad, args.warmup_tokens, ssd_hooks(args, method))
         acc = {m: {"tokens": [], "seconds": 0.0, "options": {}, "proposed": 0, "accepted": 0} for m in METHODS}
         for i, g in enumerate(groups):  # the methods alternate, A B B A ...: drift and order weigh on both alike
             for method in (METHODS if i % 2 == 0 else METHODS[::-1]):
-                out, s, stats = call(method, target, draft, g, pad, args.max_new_tokens)
+                out, s, stats = call(method, target, draft, g, pad, args.max_new_tokens, ssd_hooks(args, method))
                 a = acc[method]
                 a["tokens"] += out
                 a["seconds"] += s
@@ -284,7 +315,8 @@ def memory_child(args) -> dict:
     start = time.perf_counter()
     new = 0
     for g in chunks(encoded, b):
-        out, _, _ = call(args.memory_child, target, draft, g, pad, args.max_new_tokens)
+        hooks = ssd_hooks(args, args.memory_child)
+        out, _, _ = call(args.memory_child, target, draft, g, pad, args.max_new_tokens, hooks)
         new += sum(len(t) for t in out)
     seconds = time.perf_counter() - start
     result = {"method": args.memory_child, "batch_size": b, "prompts": len(encoded), "tokens_per_second": new / seconds,
@@ -407,6 +439,8 @@ def main(argv=None) -> int:
         memory = None if args.no_memory else measure_memory(args)
     if rows:
         setting += f"; each method warmed up with {args.warmup_calls} calls of {args.warmup_tokens} tokens at each B"
+        if args.options:
+            setting += f"; SSD restricted to {' or '.join(args.options)}, its loop forced (--options)"
     report = render(command, pair, setting, rows, memory)
     print()
     print(report)
