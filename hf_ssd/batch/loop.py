@@ -341,8 +341,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             draft_prefill_s = _prefill_draft(drafter, live, call_costs)
         while live:
             scheduler = plan.scheduler_for(len(live), len(rows))
-            measured = plan.scheduler(len(live))  # the round's costs go to its own size's estimates
-            scheduler.job_budget = measured.job_budget = functools.partial(_job_budget, share=share, live=len(live))
+            own = plan.scheduler(len(live))  # the round's costs go to its own size's estimates
+            scheduler.job_budget = own.job_budget = functools.partial(_job_budget, share=share, live=len(live))
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
@@ -351,7 +351,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             feed = _verify_feed(live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             nxt = _decide(scheduler)  # in the prefill round too: its job pre-drafts round 2 behind the prefill
             if nxt[0].kind == "ssd":
-                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, share, allowed, inference)
+                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference)
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, feed)
             new_tokens = _accept(rnd, process(live, rnd.candidates, logits), do_sample)
@@ -363,7 +363,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
-            _measure(measured, stats, rnd, live, appended, first)
+            _measure(own, stats, rnd, live, appended, first)
             first = False
             live = _leave(live, target, drafter)
             decoding = decoding or time.perf_counter()  # the target's prefill done: decoding starts
@@ -475,10 +475,10 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
 
 
 def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, option: Option,
-            scheduler: Scheduler, share: int, allowed, inference: bool) -> None:
+            scheduler: Scheduler, allowed, inference: bool) -> None:
     """3. The next round's branches, pre-drafted while the target verifies this one."""
     rnd.job, rnd.tree = option, Tree()
-    rnd.job_budget = budget = _job_budget(option.budget, share, len(live))
+    rnd.job_budget = budget = scheduler.job_budget(option.budget)  # `_job_budget`, as the model predicts it
     with scheduler.costs.lock:
         alpha = scheduler.costs.acceptance
         rnd.job_predicted = [scheduler.hit_rate(budget, len(c), alpha, calibrated=False)
