@@ -266,23 +266,34 @@ class CostModel:
         self.confidence_accepted = [keep * c for c in self.confidence_accepted]
 
     @_locked
-    def add_acceptance(self, accepted: int, proposed: int) -> None:
-        if proposed <= 0:
-            return
-        self.accepted = 0.95 * self.accepted + accepted
-        self.tried = 0.95 * self.tried + min(proposed, accepted + 1)
+    def add_verified(self, rows: list[tuple[int, int, bool | None]], by_position: bool = True) -> None:
+        """One verified round: (accepted, proposed, next_kept) per row (one prompt: one row). `by_position`: the
+        draft lengths were not chosen from the draft's confidence (a confidence stop selects confident prefixes).
 
-    @_locked
-    def add_positions(self, accepted: int, proposed: int) -> None:
-        """One verified round of a draft length not chosen from the draft's confidence."""
-        if proposed <= 0:
+        The counts decay once a round, not once a row: the text drifts by rounds, and decaying per row left a
+        batch of 8 rows about 2.5 rounds of memory, so the deep positions (tried only by rows that accepted
+        every position before them) held under one round's counts and read as the prior.
+        `next_kept` (greedy, every candidate accepted, the draft's top token after them known): whether that
+        token is the target's bonus, i.e. whether a draft one token longer would have kept it too. Without it
+        the position after the running gamma is never measured, and its prior (the scalar acceptance, lower
+        than acceptance after an accepted prefix) holds the scheduler at that gamma."""
+        rows = [r for r in rows if r[1] > 0]
+        if not rows:
+            return
+        self.accepted, self.tried = 0.95 * self.accepted, 0.95 * self.tried
+        for accepted, proposed, _ in rows:
+            self.accepted += accepted
+            self.tried += min(proposed, accepted + 1)
+        if not by_position:
             return
         d = POSITION_DECAY
         self.positions = [d * c for c in self.positions]
         self.positions_accepted = [d * c for c in self.positions_accepted]
-        for j in range(1, min(proposed, accepted + 1, MAX_POSITION) + 1):
-            self.positions[j] += 1.0
-            self.positions_accepted[j] += float(j <= accepted)
+        for accepted, proposed, next_kept in rows:
+            known = min(proposed, accepted + 1) + (next_kept is not None and accepted == proposed)
+            for j in range(1, min(known, MAX_POSITION) + 1):
+                self.positions[j] += 1.0
+                self.positions_accepted[j] += float(j <= accepted or (j > proposed and bool(next_kept)))
 
     @_locked
     def add_confidence(self, confidences: list[float], accepted: int) -> None:

@@ -338,9 +338,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.accepted_tokens += k
         self.stats.new_tokens += k + 1
         self.acceptance.update(k, g)
-        self.costs.add_acceptance(k, g)
-        if self._current is None or not self._current[0].stop:  # a confidence stop selects confident prefixes
-            self.costs.add_positions(k, g)
+        self.costs.add_verified([(k, g, None)], by_position=self._current is None or not self._current[0].stop)
         if self.config.record_timeline and self.stats.timeline:
             self.stats.timeline[-1].update(t_verified=time.perf_counter(), accepted=k)
 

@@ -656,6 +656,46 @@ def test_a_jobs_first_step_is_not_measured_as_a_step_of_its_width(pair, monkeypa
     assert recorded == [x for s in stepped for x in (s[1:] if len(s) > 1 else s)]
 
 
+def test_a_batch_rounds_acceptance_decays_once_a_round_and_counts_the_position_after_a_kept_draft():
+    """A round of 8 rows decays the acceptance counts once (per row, 8 rows left about 2.5 rounds of memory, and
+    the deep positions read as the prior); `next_kept` counts the position after a wholly accepted draft."""
+    from hf_ssd.costs import CostModel
+
+    c = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.5)
+    for _ in range(5):
+        c.add_verified([(3, 3, None)] * 8)
+    assert c.positions[1] == pytest.approx(8 * sum(0.95**r for r in range(5)))
+    assert c.positions[4] == 0 and c.position_acceptance(3) > 0.95
+    c.add_verified([(3, 3, True), (3, 3, False), (2, 3, True), (1, 3, None)])
+    assert c.positions[4] == 2 and c.positions_accepted[4] == 1  # (2, 3, True): position 4 unknown
+    assert c.positions[3] == pytest.approx(0.95 * 8 * sum(0.95**r for r in range(5)) + 3)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_greedy_batch_measures_the_position_after_its_gamma(pair, monkeypatch, do_sample):
+    """Greedy: a row that kept every candidate also shows whether the draft's next token would have been kept
+    (the bonus is its first choice there), so the position after the running gamma is measured and a longer
+    gamma can be predicted from data. Sampling shows no such verdict: nothing is counted there."""
+    from hf_ssd.costs import reset_estimates
+
+    target, _, _ = pair
+    same = noisy_copy(target, 0.0)  # every candidate, and the draft's next token, kept
+    reset_estimates(target)
+    seen = []
+    measure = loop._measure
+    monkeypatch.setattr(loop, "_measure", lambda scheduler, *a: (seen.append(scheduler.costs), measure(scheduler, *a)))
+    ids, mask = padded_batch(lengths_for(4, 3), 3)
+    target.generate(ids, attention_mask=mask, assistant_model=same, do_sample=do_sample, max_new_tokens=NEW,
+                    ssd_config=SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout="inline", **QUIET))
+    costs = seen[0]
+    assert costs.positions[3] > 0
+    if do_sample:
+        assert costs.positions[4] == 0
+    else:
+        assert costs.positions[4] > 2 and costs.positions_accepted[4] == pytest.approx(costs.positions[4])
+    reset_estimates(target)
+
+
 def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_informed():
     """A batch's last rows run on the call's batch size's estimates until the live rows' size holds
     INFORMED_ROUNDS rounds (a size only tails measure would explore from the priors)."""

@@ -41,8 +41,7 @@ def test_expected_tokens_from_per_position_counts():
     assert c.expected_tokens(4) == pytest.approx(expected_tokens(4, c.acceptance))
     # 200 rounds of 4 drafted tokens: position 1 always accepted, position 2 half the time, never position 3.
     for i in range(200):
-        c.add_positions(1 if i % 2 else 2, 4)
-        c.add_acceptance(1 if i % 2 else 2, 4)
+        c.add_verified([(1 if i % 2 else 2, 4, None)])
     p1, p2, p3 = (c.position_acceptance(j) for j in (1, 2, 3))
     assert p1 > 0.95 and 0.4 < p2 < 0.6 and p3 < 0.15, (p1, p2, p3)
     assert c.expected_tokens(2) == pytest.approx(1 + p1 + p1 * p2)
@@ -63,8 +62,7 @@ def falling_acceptance_costs():
         k = 0
         while k < 8 and rng.random() < (0.9 if k < 3 else 0.2):
             k += 1
-        costs.add_positions(k, 8)
-        costs.add_acceptance(k, 8)
+        costs.add_verified([(k, 8, None)])
     return costs
 
 
@@ -98,8 +96,7 @@ def feed_confidence(costs: CostModel, rng: random.Random, rounds: int, g: int = 
         while k < g and rng.random() < accept(qs[k]):
             k += 1
         costs.add_confidence(qs, k)
-        costs.add_positions(k, g)
-        costs.add_acceptance(k, g)
+        costs.add_verified([(k, g, None)])
 
 
 def monte_carlo_stop(threshold: float, cap: int, rng: random.Random, rounds: int = 20000):
@@ -154,8 +151,7 @@ def test_ar_wins_once_measured_acceptance_collapses():
     s = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False)
     assert s.best()[0].kind == "sd"
     for _ in range(10):  # new text: the draft's first token is rejected
-        costs.add_positions(0, 4)
-        costs.add_acceptance(0, 4)
+        costs.add_verified([(0, 4, None)])
         costs.add_confidence([0.9, 0.9, 0.9, 0.9], 0)
     assert s.best()[0].kind == "ar", s.best()
     ar = Option("ar")
@@ -288,12 +284,10 @@ def test_a_slow_long_draft_does_not_make_short_drafts_free():
 def test_a_new_call_discounts_earlier_acceptance_counts():
     c = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.7)
     for _ in range(50):
-        c.add_positions(8, 8)
-        c.add_acceptance(8, 8)
+        c.add_verified([(8, 8, None)])
     before = c.positions[1]
     c.new_call()
     assert c.positions[1] == pytest.approx(0.5 * before)
     for _ in range(5):  # the new text's first rounds are bad
-        c.add_positions(0, 8)
-        c.add_acceptance(0, 8)
+        c.add_verified([(0, 8, None)])
     assert c.position_acceptance(1) < 0.75

@@ -100,7 +100,7 @@ def test_verify_cost_per_candidate_count_is_not_a_line():
         for n in range(1, 9):
             c.add_verify(n, seconds.get(n, 0.54), None)
             c.draft.update(n, 0.11 * n)
-            c.add_acceptance(2, 4)
+            c.add_verified([(2, 4, None)], by_position=False)
     c.rounds_seen = 100
     line_only = c.verify(0, None)
     c.add_verify(0, 0.29, None)
@@ -322,8 +322,7 @@ def test_warmup_runs_ar_until_learning_fits_its_budget():
     for _ in range(3):  # the trial measured: it drafted 4 tokens at 0.05 s, verified 5 at 0.3 s, accepted all
         costs.add_draft(4, 0.2)
         costs.add_verify(4, 0.3, None)
-        costs.add_acceptance(4, 4)
-        costs.add_positions(4, 4)
+        costs.add_verified([(4, 4, None)])
     assert [s.decide(0, 410, 100)[0] for _ in rounds[1:]] == rounds[1:]  # it paid: the other learning rounds
     # A trial that accepted nothing ends learning: the rounds after it are decided from the measurements.
     costs = CostModel(False, 17, 0.7)
@@ -336,8 +335,7 @@ def test_warmup_runs_ar_until_learning_fits_its_budget():
     for _ in range(3):
         costs.add_draft(4, 0.2)
         costs.add_verify(4, 0.3, None)
-        costs.add_acceptance(0, 4)
-        costs.add_positions(0, 4)
+        costs.add_verified([(0, 4, None)])
     option, _, explored = s.decide(0, 402, 100)
     assert not explored and not s._queue and not s._after_trial  # a decision of the model, not a learning round
     # A budget of None, `hf-ssd tune`'s every_family, a pair that has drafted, or no AR option: no warm-up.

@@ -363,7 +363,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
-            _measure(own, stats, rnd, live, appended, first)
+            _measure(own, stats, rnd, live, appended, first, do_sample)
             first = False
             live = _leave(live, target, drafter)
             decoding = decoding or time.perf_counter()  # the target's prefill done: decoding starts
@@ -619,7 +619,8 @@ def _leave(live: list[Row], target: RaggedCache, drafter: BatchDrafter) -> list[
     return live
 
 
-def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tokens: int, first: bool) -> None:
+def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tokens: int, first: bool,
+             do_sample: bool) -> None:
     """The round's costs, acceptance and the job's hits into the pair's estimates at this batch size, and into
     the stats."""
     costs = scheduler.costs
@@ -635,13 +636,18 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             model = scheduler.model(rnd.option)
             if model is not None:
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
+        verified = []
         for row, c, k, bonus in zip(live, rnd.candidates, rnd.accepted, rnd.bonus):
-            costs.add_acceptance(k, len(c))
-            costs.add_positions(k, len(c))
+            next_kept = None
             if k < len(row.tops) and row.tops[k] is not None:  # where the bonus ranked among the draft's tops
                 excluded = c[k] if k < len(c) else None
                 ids = [t for t in row.tops[k][1].tolist() if t != excluded]
-                costs.add_rank(ids.index(bonus) if bonus in ids else None)
+                rank = ids.index(bonus) if bonus in ids else None
+                costs.add_rank(rank)
+                if k == len(c) and not do_sample:  # greedy: the draft's next token would have been kept or not
+                    next_kept = rank == 0
+            verified.append((k, len(c), next_kept))
+        costs.add_verified(verified)
         if job is not None:
             tree = rnd.tree
             # The first step is not a step of its width: it feeds the late branches' unread tokens, and after a
