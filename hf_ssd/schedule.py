@@ -137,11 +137,12 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
 
 class Scheduler:
     def __init__(self, config, costs: CostModel, options: list[Option], default: Option, inline: bool,
-                 deferred_record: bool = False, rows: int = 1, every_family: bool = False,
+                 deferred_record: bool = False, rows: int | None = None, every_family: bool = False,
                  warmup_budget: float | None = None):
         self.config = config
-        # Rows of a batch (batch/loop.py): a round runs the miss fallback if any row misses.
-        self.rows = rows
+        # Rows of a batch (batch/loop.py; None: one prompt's generator): a round runs the miss fallback if any row
+        # misses, and a missed row may draft nothing (it takes its one token), at every batch size, one row too.
+        self.rows, self.batch = rows or 1, rows is not None
         # Branches per row a job of budget b gives its rows: b, but a batch's job shares the branches of the rows
         # that have ended among the live ones (batch/loop.py `_job_budget`), which sets this before deciding.
         self.job_budget = lambda b: b
@@ -297,7 +298,7 @@ class Scheduler:
     def miss_fallback(self, option: Option) -> int:
         """`fallback_length` for a miss of an SSD round of this option, as the model predicts it."""
         terms = self._hit_terms(option, None)
-        if self.rows > 1:
+        if self.batch:
             return 0 if terms is None else self._batch_fallback(option.gamma, None, terms)
         return option.gamma if terms is None else self.fallback_length(option.gamma, None, terms.rate)
 
@@ -369,7 +370,7 @@ class Scheduler:
         terms = self._hit_terms(option, a)
         if terms is None:
             return None
-        if self.rows > 1 and self.auto_fallback:
+        if self.batch and self.auto_fallback:
             n = self._batch_fallback(g, a, terms)
             fb = (self._expected(n, a), self.costs.draft_time(n) if n else 0.0)
         else:

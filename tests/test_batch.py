@@ -417,6 +417,27 @@ def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_ve
     assert plan._condemned_early(4, 100, 16)  # 15 steps: plain 0.15 s, the loop 0.1 s after 0.125 s
 
 
+def test_an_early_plain_verdict_is_tried_again_sooner_than_a_judged_one():
+    """Plain calls measure no loop rounds, so an early verdict (a few rounds slower than a plain step, e.g. on a
+    busy machine) would hold until PLAIN_REFRESH; the loop runs again after EARLY_REFRESH plain calls, and a
+    judged verdict (a whole loop call slower than plain) keeps plain for PLAIN_REFRESH calls."""
+    from hf_ssd.schedule import Option, Prediction
+
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    draft = noisy_copy(target, 0.02)
+    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    costs = plan.scheduler(4).costs
+    costs.add_plain_step(0.01)
+    costs.add_round()
+    costs.add_round_outcome(Option("sd", 3), 2, 0.05, Prediction(tokens=4.0, seconds=0.01))  # 40 a second
+    rows = loop._rows(torch.ones(4, 8, dtype=torch.long), None)
+    early = [plan.plain(rows, 64) for _ in range(2 * (loop.EARLY_REFRESH + 1))]
+    assert early == ([True] * loop.EARLY_REFRESH + [False]) * 2
+    costs.add_loop_call(0.5, 1.0, 50, loop.VERDICT_MIN_STEPS)  # a whole call judged: the loop at 0.5x plain
+    judged = [plain for plain in (plan.plain(rows, 64) for _ in range(loop.PLAIN_REFRESH + 1))]
+    assert judged == [True] * loop.PLAIN_REFRESH + [False]
+
+
 def test_plain_decoding_is_not_chosen_where_drafting_pays():
     """The opposite device: a verify costs the same at any number of candidates (memory-bound) and drafting is
     cheap, so SD beats AR: after the first call (plain decoding, measured), every call runs the loop."""
@@ -694,6 +715,25 @@ def test_a_greedy_batch_measures_the_position_after_its_gamma(pair, monkeypatch,
     else:
         assert costs.positions[4] > 2 and costs.positions_accepted[4] == pytest.approx(costs.positions[4])
     reset_estimates(target)
+
+
+def test_a_batch_of_one_row_predicts_ssd_without_a_measured_draft():
+    """A batch's miss may draft nothing (the row takes its one token), at one row too: a batch size that only
+    tails measure, with no draft on the critical path yet, still predicts its SSD options (once such a size was
+    informed it saw only AR and chose it for every last row). One prompt's generator keeps its fallback."""
+    from hf_ssd.costs import CostModel
+    from hf_ssd.schedule import Option, Scheduler
+
+    config = SSDConfig(**QUIET)
+    options, default = loop.batch_options(config, 1, {})
+    costs = CostModel(False, 17, 0.7)
+    costs.add_verify(0, 0.04, None)
+    costs.add_verify(4, 0.041, 16)
+    costs.add_tree_step(16, 0.01)
+    ssd = Option("ssd", 4, 16)
+    batch = Scheduler(config, costs, options, default, inline=False, rows=1)
+    assert batch.model(ssd) is not None and batch.miss_fallback(ssd) == 0
+    assert Scheduler(config, costs, options, default, inline=False).model(ssd) is None  # draft(n) unknown
 
 
 def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_informed():

@@ -52,6 +52,7 @@ logger = logging.getLogger("hf_ssd")
 # fan-outs are what keep most rows hitting; on CPU cores their measured steps rule them out.
 BATCH_BRANCHES = 128
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
+EARLY_REFRESH = 2  # the same while the plain verdict is an early one (no whole loop call judged at the size yet)
 INFORMED_ROUNDS = 50  # rounds a smaller size's estimates need before a shrinking batch's rounds use them
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
@@ -188,7 +189,8 @@ class BatchPlan:
         prompt = sum(len(r.real) for r in rows)
         with costs.lock:
             plain = _plain_wins(costs, prompt, new_tokens)
-            if plain is None:
+            judged = plain is not None
+            if not judged:
                 plain = costs.plain_step.count == 0  # a new size: plain first, measured
                 nearest = None if plain else self._nearest_smaller(size)
                 if nearest is not None:
@@ -197,7 +199,10 @@ class BatchPlan:
                         plain = bool(_plain_wins(other, prompt * at // size, new_tokens))
                 plain = plain or self._condemned_early(len(rows), prompt, new_tokens)
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
-            if costs.plain_streak > PLAIN_REFRESH:
+            # An early verdict rests on a few rounds (on a busy machine, a warm-up call's), and plain calls measure
+            # no loop rounds to revise it: it is tried again sooner than a judged one (real pair, B = 2: a warm-up
+            # condemned the loop, and 8 calls in a row then ran plain at 0.99x where the loop ran 1.77-1.79x).
+            if costs.plain_streak > (PLAIN_REFRESH if judged else EARLY_REFRESH):
                 costs.plain_streak, plain = 0, False
         return plain
 
