@@ -35,25 +35,3 @@ def geometric_fanout(budget: int, alpha: float, gamma: int) -> list[int]:
     for k in by_remainder[:left]:
         counts[k] += 1
     return counts
-
-
-class AcceptanceTracker:
-    """Per-token acceptance rate (accepted / tried), exponentially weighted towards recent rounds.
-
-    Starts from a prior worth a few tokens; the decay lets the fan-out follow a text whose difficulty
-    changes (code vs prose) instead of the whole call's average.
-    """
-
-    def __init__(self, prior: float, prior_weight: float = 4.0, decay: float = 0.9):
-        self.accepted = prior * prior_weight
-        self.tried = prior_weight
-        self.decay = decay
-
-    def update(self, accepted: int, proposed: int) -> None:
-        # A round accepting k of g tokens observed k acceptances and, if k < g, one rejection.
-        self.accepted = self.decay * self.accepted + accepted
-        self.tried = self.decay * self.tried + min(proposed, accepted + 1)
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.tried if self.tried else 0.0

@@ -29,7 +29,7 @@ from .costs import CostModel
 from .depth import Parent, deeper_children, grown_children
 from .drafter import Unfinished
 from .fallback import run_fallback
-from .fanout import AcceptanceTracker, geometric_fanout
+from .fanout import geometric_fanout
 from .outcomes import Outcome, predict_outcomes
 from .predictor import calibration_for, drafted_probs, hedged_length_probs, rank_outcomes
 from .probe import step_seconds
@@ -108,7 +108,6 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         # Inline, a job runs to its end on the critical path, so deeper levels would only add to it.
         self.depth = config.pipeline_depth if layout != "inline" and getattr(self.drafter, "supports_depth", False) else 1
-        self.acceptance = AcceptanceTracker(config.initial_acceptance)
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
@@ -200,7 +199,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                         self.stats.add_lookup(predicted, branch is not None and bool(branch.tokens))
                         if branch is not None and branch.tokens:  # the branches under it: next round's entries
                             self.stats.promoted += self.cache.promote(self.round, k, bonus)
-        alpha = self.acceptance.rate
+        alpha = self.costs.acceptance  # the pair's one acceptance estimate (costs.py), as the scheduler's
         event = {"round": self.round + 1, "t_request": now, "option": option.name}
         draft_seconds = 0.0
         kind = "hit"
@@ -337,7 +336,6 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.stats.rounds += 1
         self.stats.accepted_tokens += k
         self.stats.new_tokens += k + 1
-        self.acceptance.update(k, g)
         self.costs.add_verified([(k, g, None)], by_position=self._current is None or not self._current[0].stop)
         if self.config.record_timeline and self.stats.timeline:
             self.stats.timeline[-1].update(t_verified=time.perf_counter(), accepted=k)

@@ -21,9 +21,25 @@ import time
 import torch
 
 from hf_ssd.drafter import Drafter
-from hf_ssd.fanout import AcceptanceTracker, geometric_fanout
+from hf_ssd.fanout import geometric_fanout
 from hf_ssd.outcomes import predict_outcomes
 from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, rank_outcomes
+
+
+class AcceptanceTracker:
+    """The acceptance rate this replay's geometric fan-out uses: accepted / tried, decayed towards recent rounds
+    from a prior worth a few tokens (the package keeps one estimate per pair, `CostModel.acceptance`)."""
+
+    def __init__(self, prior: float, prior_weight: float = 4.0, decay: float = 0.9):
+        self.accepted, self.tried, self.decay = prior * prior_weight, prior_weight, decay
+
+    def update(self, accepted: int, proposed: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.tried = self.decay * self.tried + min(proposed, accepted + 1)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried if self.tried else 0.0
 
 
 def replay(target_ids: list[int], prompt_len: int, drafter: Drafter, gamma: int, budgets: list[int],

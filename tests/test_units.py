@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import hf_ssd
 from hf_ssd.cache import Branch, SpeculationCache
 from hf_ssd.fallback import ngram_lookup, one_hot_logits
-from hf_ssd.fanout import AcceptanceTracker, acceptance_length_probs, geometric_fanout
+from hf_ssd.fanout import acceptance_length_probs, geometric_fanout
 from hf_ssd.outcomes import predict_outcomes
 
 
@@ -36,16 +36,6 @@ def test_geometric_fanout_follows_acceptance():
 def test_acceptance_length_probs_sum_to_one():
     for alpha in (0.0, 0.3, 0.99, 1.0):
         assert abs(sum(acceptance_length_probs(alpha, 5)) - 1.0) < 1e-12
-
-
-def test_acceptance_tracker_moves_towards_observed_rate():
-    tracker = AcceptanceTracker(prior=0.5)
-    for _ in range(50):
-        tracker.update(4, 4)
-    assert tracker.rate > 0.95
-    for _ in range(200):
-        tracker.update(0, 4)
-    assert tracker.rate < 0.3
 
 
 def _top(pairs):

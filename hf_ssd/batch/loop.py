@@ -199,7 +199,7 @@ class BatchPlan:
                         plain = bool(_plain_wins(other, prompt * at // size, new_tokens))
                 plain = plain or self._condemned_early(len(rows), prompt, new_tokens)
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
-            # An early verdict rests on a few rounds (on a busy machine, a warm-up call's), and plain calls measure
+            # An early verdict rests on a few rounds (a warm-up call's, perhaps slowed), and plain calls measure
             # no loop rounds to revise it: it is tried again sooner than a judged one (real pair, B = 2: a warm-up
             # condemned the loop, and 8 calls in a row then ran plain at 0.99x where the loop ran 1.77-1.79x).
             if costs.plain_streak > (PLAIN_REFRESH if judged else EARLY_REFRESH):
