@@ -155,7 +155,10 @@ class Scheduler:
         self.options = options
         self.default = default
         self.inline = inline
-        self.rng = random.Random(len(options))  # never the caller's RNG: decisions must not move sampling
+        # Never the caller's RNG (decisions must not move sampling); seeded by the pair's rounds so far, so that a
+        # later call does not repeat the draws of the one before (a fixed seed explored at the same decisions of
+        # every call: at B = 8 the first, whose job pre-drafts every row's first decoding round).
+        self.rng = random.Random(len(options) * 1_000_003 + costs.rounds_seen)
         self._decisions = 0
         self._predictions: dict | None = None  # the last full pass (see `decide`)
         self._shortlist: list[Option] = []

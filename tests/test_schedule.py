@@ -290,6 +290,23 @@ def test_first_rounds_measure_each_kind_once_and_leave_every_option_predicted(ta
     assert [o.name for o in options if measured.predict(o) is None] == []
 
 
+def test_exploration_draws_follow_the_pairs_history_not_the_call():
+    """A new scheduler each call: seeded from the pair's rounds so far, a later call draws anew (a fixed seed
+    explored at the same decisions of every call), and the same history draws the same (reproducible runs)."""
+    config = SSDConfig(**QUIET)
+    options = allowed_options(config, "thread", 1)
+    costs = CostModel(False, 17, 0.7)
+
+    def draws():
+        rng = Scheduler(config, costs, options, Option("ssd", 4, 1), inline=False).rng
+        return [rng.random() for _ in range(8)]
+
+    first = draws()
+    costs.rounds_seen += 30  # a call's rounds
+    later = draws()
+    assert later != first and later == draws()
+
+
 def test_warmup_runs_ar_until_learning_fits_its_budget():
     """A pair that has never drafted runs the target alone until learning, at its worst (the draft reading the
     context, then the trial round accepting nothing), costs at most warmup_budget of the pair's decode time
