@@ -290,10 +290,20 @@ class CostModel:
         self.positions = [d * c for c in self.positions]
         self.positions_accepted = [d * c for c in self.positions_accepted]
         for accepted, proposed, next_kept in rows:
-            known = min(proposed, accepted + 1) + (next_kept is not None and accepted == proposed)
-            for j in range(1, min(known, MAX_POSITION) + 1):
+            for j in range(1, min(proposed, accepted + 1, MAX_POSITION) + 1):
                 self.positions[j] += 1.0
-                self.positions_accepted[j] += float(j <= accepted or (j > proposed and bool(next_kept)))
+                self.positions_accepted[j] += float(j <= accepted)
+            if next_kept is not None and accepted == proposed:
+                self.add_next_kept(proposed + 1, next_kept)
+
+    @_locked
+    def add_next_kept(self, position: int, kept: bool) -> None:
+        """Whether the draft's next token after a wholly accepted draft of `position` - 1 tokens would have been
+        kept (greedy: it is the target's bonus), counted at `position` in the round's counts (`add_verified`,
+        which one prompt's generator calls before it reads the draft's tokens after its candidates)."""
+        if position <= MAX_POSITION:
+            self.positions[position] += 1.0
+            self.positions_accepted[position] += float(kept)
 
     @_locked
     def add_confidence(self, confidences: list[float], accepted: int) -> None:

@@ -70,7 +70,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = set(eos.flatten().tolist()) if eos is not None else set()
-        do_sample = bool(generation_config.do_sample)
+        do_sample = self.do_sample = bool(generation_config.do_sample)
         on_gpu = draft_model.device.type == "cuda"
         fixed_budget, _ = config.resolved_budget(on_gpu)
         # Test/tooling hooks: stage name -> callable (fault injection, "options" filter); "every_family": True
@@ -317,7 +317,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         if k < len(tops) and tops[k] is not None:
             excluded = candidates[k] if k < len(candidates) else None
             ids = [t for t in tops[k][1].tolist() if t != excluded]
-            self.costs.add_rank(ids.index(bonus) if bonus in ids else None)
+            rank = ids.index(bonus) if bonus in ids else None
+            self.costs.add_rank(rank)
+            if k == len(candidates) > 0 and not self.do_sample and (self._current is None or not self._current[0].stop):
+                self.costs.add_next_kept(k + 1, rank == 0)  # greedy: a draft one longer would have kept it
         known = tops[: len(candidates)]
         if known and all(t is not None for t in known):  # the draft's confidence at each candidate position
             self.costs.add_confidence(torch.stack([t[0][0] for t in known]).tolist(), k)
