@@ -692,23 +692,22 @@ def test_a_batch_rounds_acceptance_decays_once_a_round_and_counts_the_position_a
     assert c.positions[3] == pytest.approx(0.95 * 8 * sum(0.95**r for r in range(5)) + 3)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_a_greedy_batch_measures_the_position_after_its_gamma(pair, monkeypatch, do_sample):
+def test_greedy_rounds_measure_the_position_after_their_gamma(pair, rows, do_sample):
     """Greedy: a row that kept every candidate also shows whether the draft's next token would have been kept
     (the bonus is its first choice there), so the position after the running gamma is measured and a longer
-    gamma can be predicted from data. Sampling shows no such verdict: nothing is counted there."""
-    from hf_ssd.costs import reset_estimates
+    gamma can be predicted from data; one prompt (the generator) and a batch (the loop) alike. Sampling shows no
+    such verdict: nothing is counted there."""
+    from hf_ssd.costs import estimates_of, reset_estimates
 
     target, _, _ = pair
     same = noisy_copy(target, 0.0)  # every candidate, and the draft's next token, kept
     reset_estimates(target)
-    seen = []
-    measure = loop._measure
-    monkeypatch.setattr(loop, "_measure", lambda scheduler, *a: (seen.append(scheduler.costs), measure(scheduler, *a)))
-    ids, mask = padded_batch(lengths_for(4, 3), 3)
+    ids, mask = padded_batch(lengths_for(rows, 3), 3)
     target.generate(ids, attention_mask=mask, assistant_model=same, do_sample=do_sample, max_new_tokens=NEW,
                     ssd_config=SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout="inline", **QUIET))
-    costs = seen[0]
+    [costs] = [c for key, c in estimates_of(target, same) if key[2] == ("batch4:inline" if rows > 1 else "inline")]
     assert costs.positions[3] > 0
     if do_sample:
         assert costs.positions[4] == 0

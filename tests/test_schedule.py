@@ -307,25 +307,6 @@ def test_exploration_draws_follow_the_pairs_history_not_the_call():
     assert later != first and later == draws()
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_one_prompt_measures_the_position_after_its_gamma(target, do_sample):
-    """As in a batch (tests/test_batch.py): greedy, a round that kept every candidate counts whether the draft's
-    next token would have been kept too (an identical draft: always), so the position after the running gamma
-    is measured; sampling counts nothing there."""
-    same = noisy_copy(target, 0.0)
-    reset_estimates(target)
-    target.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=24, min_new_tokens=24, do_sample=do_sample,
-                    assistant_model=same,
-                    ssd_config=SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout="inline", **QUIET))
-    [(_, costs)] = estimates_of(target, same)
-    assert costs.positions[3] > 0
-    if do_sample:
-        assert costs.positions[4] == 0
-    else:
-        assert costs.positions[4] > 2 and costs.positions_accepted[4] == pytest.approx(costs.positions[4])
-    reset_estimates(target)
-
-
 def test_warmup_runs_ar_until_learning_fits_its_budget():
     """A pair that has never drafted runs the target alone until learning, at its worst (the draft reading the
     context, then the trial round accepting nothing), costs at most warmup_budget of the pair's decode time
