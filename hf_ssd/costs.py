@@ -14,6 +14,8 @@ import math
 import threading
 import weakref
 
+from .outcomes import length_probs
+
 MAX_POSITION = 32  # per-position acceptance is tracked for draft positions 1..MAX_POSITION (later ones: the last)
 POSITION_DECAY = 0.95
 POSITION_PRIOR = 2.0
@@ -472,13 +474,7 @@ class CostModel:
         return self.memoized(("l", g), lambda: self._length_probs(g))
 
     def _length_probs(self, g: int) -> list[float]:
-        probs, run = [], 1.0
-        for j in range(1, g + 1):
-            p = self.position_acceptance(j)
-            probs.append(run * (1.0 - p))
-            run *= p
-        probs.append(run)
-        return probs
+        return length_probs([self.position_acceptance(j) for j in range(1, g + 1)])
 
     def confidence_model(self, threshold: float, cap: int) -> tuple[float, float]:
         """(expected drafted tokens, expected new tokens) of plain SD that drafts up to `cap` tokens and stops

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .fanout import geometric_fanout
-from .outcomes import Outcome, predict_outcomes
-from .predictor import AcceptanceCalibration, drafted_probs, rank_outcomes
+from .outcomes import Outcome, bonus_probs, length_probs, predict_outcomes, rank_outcomes
+from .predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
 
 Allowed = Callable[[int, int, int], bool]
 
@@ -55,16 +55,10 @@ def grown_children(states, results, rows: list[Outcome], taken: int, gamma: int,
             continue  # nothing new, a resumed row (its early positions passed), or the generation ends there
         tops = state.tops(j)
         qs = drafted_probs(tokens, tops)
-        p_k = 1.0 - p_accept(qs[j])  # P(exactly j accepted): the first j kept, token j rejected
-        for q in qs[:j]:
-            p_k *= p_accept(q)
-        values, ids = tops[j]
-        pairs = [(float(v), int(t)) for v, t in zip(values.tolist(), ids.tolist()) if t != tokens[j]]
-        mass = sum(v for v, _ in pairs) or 1.0
-        for v, t in pairs[:width]:
+        p_k = length_probs([p_accept(q) for q in qs[: j + 1]])[j]  # the first j kept, token j rejected
+        for p, t in bonus_probs(tops[j], tokens[j])[:width]:
             if allowed(state.start, j, t):
-                cond = p_k * v / mass
-                scored.append((rows[r].prob * cond, r, Outcome(j, t, cond)))
+                scored.append((rows[r].prob * p_k * p, r, Outcome(j, t, p_k * p)))
     scored.sort(key=lambda c: -c[0])
     return scored[: width - taken]
 
@@ -80,7 +74,8 @@ def deeper_children(level: list[Parent], calibration: AcceptanceCalibration | No
             continue  # cut short by the outcome's arrival, or ends the generation
         tops = parent.state.tops(g)
         if calibration is not None:
-            outcomes = rank_outcomes(parent.tokens, tops, calibration, width)
+            pk = hedged_length_probs(calibration, drafted_probs(parent.tokens, tops))
+            outcomes = rank_outcomes(parent.tokens, tops, pk, width)
         else:
             outcomes = predict_outcomes(parent.tokens, tops, geometric_fanout(width, alpha, g), alpha, width)
         scored += [(parent.prob * o.prob, parent, o) for o in outcomes

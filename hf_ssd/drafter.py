@@ -299,8 +299,13 @@ class Drafter:
         return [self.top[context_len - 1 + j] for j in range(n + 1)]
 
     # ----- batched pre-drafting ---------------------------------------------------------------------------
+    # What the generator asks of a drafter, the same for both paths (static_draft.StaticDrafter overrides them).
     supports_depth = True  # fork_tree and unfinished rows (the static path's tree buffers hold one round)
     defers_record = True  # tree_steps(last=...): the static path records with a forward of its own
+    path = "dynamic"  # named in the stats
+
+    def release(self) -> None:
+        """Give back what the call held (nothing here: the static path's buffers go back to their pool)."""
 
     def _gather(self, rows: list[tuple[object, torch.Tensor, int, int, int]], width: int | None = None):
         """A batched cache whose row i holds `length_i` sequence positions of a source row, right-aligned.

@@ -2,20 +2,14 @@
 
 Under a per-token acceptance rate alpha, a round with g draft tokens accepts exactly k of them with probability
 alpha^k (1 - alpha) for k < g and alpha^g for k = g (a geometric law). The budget is split in proportion to
-those probabilities, so likely acceptance lengths get more branches.
+those probabilities (`outcomes.length_probs`), so likely acceptance lengths get more branches.
 """
 
 from __future__ import annotations
 
 import math
 
-
-def acceptance_length_probs(alpha: float, gamma: int) -> list[float]:
-    """P(exactly k of gamma draft tokens accepted), k = 0..gamma, for i.i.d. acceptance with rate alpha."""
-    alpha = min(max(alpha, 0.0), 1.0)
-    probs = [alpha**k * (1.0 - alpha) for k in range(gamma)]
-    probs.append(alpha**gamma)
-    return probs
+from .outcomes import length_probs
 
 
 def geometric_fanout(budget: int, alpha: float, gamma: int) -> list[int]:
@@ -24,7 +18,7 @@ def geometric_fanout(budget: int, alpha: float, gamma: int) -> list[int]:
     Largest-remainder rounding keeps the sum equal to the budget, and, since the weights decrease for k < gamma,
     the counts never increase along k < gamma (ties in the floor go to the larger weight, i.e. the smaller k).
     """
-    weights = acceptance_length_probs(alpha, gamma)
+    weights = length_probs([alpha] * gamma)
     total = sum(weights)
     if budget == 0 or total <= 0:
         return [0] * (gamma + 1)

@@ -30,8 +30,8 @@ from .depth import Parent, deeper_children, grown_children
 from .drafter import Unfinished
 from .fallback import run_fallback
 from .fanout import geometric_fanout
-from .outcomes import Outcome, predict_outcomes
-from .predictor import calibration_for, drafted_probs, hedged_length_probs, rank_outcomes
+from .outcomes import Outcome, bonus_probs, bonus_rank, predict_outcomes, rank_outcomes
+from .predictor import calibration_for, drafted_probs, hedged_length_probs
 from .probe import step_seconds
 from .schedule import CATCH_UP_TOKENS, LATE_GRACE, Option, Scheduler, allowed_options
 from .speculator import Speculator
@@ -107,7 +107,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                                     self.max_length, max(1, rows), prompt_mask, longest)
         self.cache = SpeculationCache(config.cache_size, config.eviction)
         # Inline, a job runs to its end on the critical path, so deeper levels would only add to it.
-        self.depth = config.pipeline_depth if layout != "inline" and getattr(self.drafter, "supports_depth", False) else 1
+        self.depth = config.pipeline_depth if layout != "inline" and self.drafter.supports_depth else 1
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
@@ -119,10 +119,10 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
                             if config.fanout == "calibrated" else None)
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline",
-                                   deferred_record=self.depth == 1 and getattr(self.drafter, "defers_record", False),
+                                   deferred_record=self.depth == 1 and self.drafter.defers_record,
                                    every_family=bool(self.hooks.get("every_family")),
                                    warmup_budget=config.warmup_budget if config.schedule == "auto" else None)
-        self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=getattr(self.drafter, "path", "dynamic"))
+        self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=self.drafter.path)
         self.stats.profile = getattr(self.costs, "profile", None)  # the tuning profile the estimates started from (hf_ssd/profile.py)
         self.round = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (context, candidates) being verified
@@ -315,9 +315,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         info = self._job_info if self._job_budget is not None else {}
         tops = info.get("tops", self._sd_tops)
         if k < len(tops) and tops[k] is not None:
-            excluded = candidates[k] if k < len(candidates) else None
-            ids = [t for t in tops[k][1].tolist() if t != excluded]
-            rank = ids.index(bonus) if bonus in ids else None
+            rank = bonus_rank(tops[k], candidates[k] if k < len(candidates) else None, bonus)
             self.costs.add_rank(rank)
             if k == len(candidates) > 0 and not self.do_sample and (self._current is None or not self._current[0].stop):
                 self.costs.add_next_kept(k + 1, rank == 0)  # greedy: a draft one longer would have kept it
@@ -381,10 +379,9 @@ class SSDCandidateGenerator(CandidateGenerator):
 
         def extra(top, first):
             info["tops"][g] = top  # where a k = g bonus ranks is measured too
-            values, ids = top[0].tolist(), top[1].tolist()
-            mass = sum(values) or 1.0
-            prob = p_all * values[ids.index(first)] / mass if first in ids else 0.0
-            more = [Outcome(g, t, p_all * v / mass) for v, t in zip(values, ids) if t != first and t not in self.eos]
+            bonuses = bonus_probs(top)
+            prob = next((p_all * p for p, t in bonuses if t == first), 0.0)
+            more = [Outcome(g, t, p_all * p) for p, t in bonuses if t != first and t not in self.eos]
             return prob, more[: share - 1]
 
         return LastRow(Outcome(g - 1, candidates[-1], p_all), share, extra)
@@ -419,7 +416,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             # outcomes k < g, known now, get that step too (docs/scheduling.md, "the last candidate").
             # Inline, a job runs to its end anyway: there it would only trade the exact k = g distribution for
             # a guessed share.
-            deferred = (self.depth == 1 and not self.scheduler.inline and getattr(self.drafter, "defers_record", False)
+            deferred = (self.depth == 1 and not self.scheduler.inline and self.drafter.defers_record
                         and self.drafter.holds_but_last(context, candidates))
             if deferred:
                 tops = [self.drafter.top[len(context) - 1 + j] for j in range(g)] + [None]
@@ -434,7 +431,8 @@ class SSDCandidateGenerator(CandidateGenerator):
             # the budget goes to the likeliest outcomes not held yet.
             extra = self.cache.held(round_id)
             if self.calibration is not None:  # ranked overall by P(k) * P(bonus | k), not split per k first
-                outcomes = rank_outcomes(candidates, ranked, self.calibration, min(budget, limit) + extra, prior)
+                pk = hedged_length_probs(self.calibration, drafted_probs(candidates, ranked), prior)
+                outcomes = rank_outcomes(candidates, ranked, pk, min(budget, limit) + extra)
             elif extra:
                 outcomes = predict_outcomes(candidates, ranked, self._fanout(budget + extra, g, alpha), alpha,
                                             limit + extra)
@@ -489,10 +487,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             if rows:
                 # 2. Tree drafting: one batched draft forward per step for all branches, until the outcome arrives.
                 self._hook("draft")
-                if unfinished:
-                    tree = self.drafter.start_tree(len(context), todo, [u for _, u in unfinished])
-                else:
-                    tree = self.drafter.start_tree(len(context), todo)
+                tree = self.drafter.start_tree(len(context), todo, [u for _, u in unfinished])
 
                 def stop():
                     if should_stop():
@@ -514,10 +509,8 @@ class SSDCandidateGenerator(CandidateGenerator):
                         grown.extend(new)
                         return [(r, o) for _, r, o in new]
 
-                kw = {"grow": grow} if grow is not None else {}
-                if last is not None:
-                    kw["last"] = (len(todo) - last.share, last.extra, last.share)
-                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step, **kw)
+                tail = (len(todo) - last.share, last.extra, last.share) if last is not None else None
+                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step, grow=grow, last=tail)
                 # 3. Cache insert.
                 self._hook("insert")
                 own = len(rows)
@@ -567,7 +560,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         try:
             self.speculator.close()
         finally:  # whatever close raised, the static buffers go back for the next call
-            getattr(self.drafter, "release", lambda: None)()
+            self.drafter.release()
             self.cache.clear()
         if self._current is not None and self.stats.rounds >= self.round:  # the last round: now verified
             self.stats.add_round(self._current[0].name, time.perf_counter() - self._round_start, *self._current[1:])

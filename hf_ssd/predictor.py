@@ -1,37 +1,24 @@
-"""A calibrated outcome predictor: where will the target reject, and with which bonus token?
+"""A calibrated acceptance estimate for the outcome model: where will the target reject?
 
-The geometric law (`fanout.py`) gives every drafted position the same acceptance probability. The draft's own
-confidence says more: a token it drafted with probability 0.98 is accepted far more often than one drafted at
-0.4. So P(accept at position j) is estimated as a function of q_j, the draft's probability of the token it
-drafted there, by a small histogram over q calibrated online from the verifications seen so far (each bin a
-Beta posterior around the acceptance prior, the same for every q: until verifications say otherwise, the
-predictor ranks like the geometric law. A prior of P(accept | q) = q would be wrong for drafts whose
-distributions are flat but agree with the target). Then
-
-    P(k accepted of g) = p_1 ... p_k (1 - p_{k+1})      (k < g),      p_1 ... p_g      (k = g)
-
-and every candidate outcome (k, bonus) is ranked by P(k) * P(bonus | k), where P(bonus | k) is the draft's
-distribution at position k + 1 with the rejected (drafted) token removed and renormalised for k < g, and its
-next-token distribution for k = g. The budget goes to the most likely outcomes overall, not per k.
-
-When sampling, the verifier's bonus after a rejection comes from the residual max(p - q, 0) of target p and
-draft q; the draft cannot see p, so its renormalised distribution without the rejected token stands in for it
-(the same assumption the geometric predictor makes). Exactness never depends on any of this: the predictor
-only chooses what to pre-draft.
+The geometric fan-out gives every drafted position the same acceptance probability. The draft's own confidence
+says more: a token it drafted with probability 0.98 is accepted far more often than one drafted at 0.4. So
+P(accept at position j) is estimated as a function of q_j, the draft's probability of the token it drafted
+there, by a small histogram over q calibrated online from the verifications seen so far (each bin a Beta
+posterior around the acceptance prior, the same for every q: until verifications say otherwise, the predictor
+ranks like the geometric law. A prior of P(accept | q) = q would be wrong for drafts whose distributions are
+flat but agree with the target). P(k) follows (`hedged_length_probs`), and outcomes.py ranks the outcomes
+(k, bonus) by it: `rank_outcomes`, the budget to the likeliest overall, not per k.
 """
 
 from __future__ import annotations
 
-import heapq
 import threading
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from .outcomes import Outcome
-
-TopProbs = tuple[torch.Tensor, torch.Tensor]
+from .outcomes import TopProbs, length_probs
 
 
 @dataclass
@@ -90,62 +77,14 @@ def drafted_probs(candidates: list[int], tops: list[TopProbs]) -> list[float]:
     return (values * match).sum(dim=1).tolist()
 
 
-def length_probs(p_accept: list[float]) -> list[float]:
-    """P(exactly k accepted), k = 0..g, from per-position acceptance probabilities (independent positions)."""
-    probs, run = [], 1.0
-    for p in p_accept:
-        probs.append(run * (1.0 - p))
-        run *= p
-    probs.append(run)
-    return probs
-
-
 def hedged_length_probs(calibration: AcceptanceCalibration, qs: list[float],
                         length_prior: list[float] | None = None) -> list[float]:
     """P(k accepted), k = 0..g, from the calibration at the drafted probabilities `qs`, averaged with
-    `length_prior` (P(k) from the measured per-position acceptance) when given: see `rank_outcomes`."""
+    `length_prior` (P(k) from the measured per-position acceptance, the same for every round) when given: a
+    hedge against a P(k) sharper than the truth, since the calibration reads each round's confidences as if
+    positions were independent, and one bin's estimate moves slowly."""
     pk = length_probs([calibration.p_accept(q) for q in qs])
     return pk if length_prior is None else [0.5 * (a + b) for a, b in zip(pk, length_prior, strict=True)]
-
-
-def rank_outcomes(
-    candidates: list[int], tops: list[TopProbs], calibration: AcceptanceCalibration, budget: int,
-    length_prior: list[float] | None = None,
-) -> list[Outcome]:
-    """The `budget` most likely outcomes (k, bonus) of verifying `candidates`, most likely first.
-
-    Two hedges against a P(k) that is sharper than the truth (the calibration reads each round's confidences
-    as if positions were independent, and one bin's estimate moves slowly):
-    - `length_prior` (P(k) from the measured per-position acceptance, the same for every round) is mixed in
-      with equal weight;
-    - when the budget covers every k, each k first gets its likeliest bonus, and the rest of the budget goes by
-      rank overall. A miss costs a whole fallback draft, and on the tiny pair of the simulated-device harness
-      these two took the hit rate of budget 8 from 0.76 to 0.91 and of 16 from 0.89 to 0.97
-      (docs/scheduling.md, "Outcome ranking").
-    """
-    if budget <= 0:
-        return []
-    g = len(candidates)
-    pk = hedged_length_probs(calibration, drafted_probs(candidates, tops), length_prior)
-    # (probability, k, bonus) tuples: Outcome objects only for the chosen (this runs at the start of every job).
-    scored: list[tuple[float, int, int]] = []
-    firsts: list[tuple[float, int, int]] = []
-    for k in range(g + 1):
-        if pk[k] <= 0.0:
-            continue
-        values, ids = tops[k]
-        excluded = candidates[k] if k < g else None
-        pairs = [(v, t) for v, t in zip(values.tolist(), ids.tolist()) if t != excluded]
-        scale = pk[k] / (sum(v for v, _ in pairs) or 1.0)
-        # The draft's top list is sorted: only its first `budget` entries can make the overall top `budget`.
-        ranked = [(scale * v, k, t) for v, t in pairs[:budget]]
-        firsts += ranked[:1]
-        scored += ranked[1:]
-    if len(firsts) > budget:  # too small a budget for one outcome per k: by rank alone
-        scored, firsts = scored + firsts, []
-    chosen = firsts + heapq.nlargest(budget - len(firsts), scored, key=lambda x: x[0])
-    chosen.sort(key=lambda x: -x[0])
-    return [Outcome(k, t, p) for p, k, t in chosen]
 
 
 # Calibrations carried across calls, per draft model (a new call on the same pair starts informed).

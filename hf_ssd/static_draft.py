@@ -440,7 +440,9 @@ class StaticDrafter(Drafter):
 
     # ----- batched pre-drafting -----------------------------------------------------------------------------
     @torch.no_grad()
-    def start_tree(self, context_len: int, outcomes: list[Outcome]) -> StaticTree:
+    def start_tree(self, context_len: int, outcomes: list[Outcome], unfinished=()) -> StaticTree:
+        if unfinished:  # the generator never asks (supports_depth): a caller that does must hear it
+            raise ValueError("the static draft path pre-drafts one round: it has no unfinished rows to resume")
         b, tr = len(outcomes), self.trunk
         t, step = self.state.tree_for(b)
         T = len(self.ids)
@@ -458,7 +460,9 @@ class StaticDrafter(Drafter):
 
     @torch.no_grad()
     def tree_steps(self, tree: StaticTree, outcomes: list[Outcome], gamma: int, fanout: list[int], should_stop,
-                   on_step=None) -> list[tuple[BranchState, DraftResult]]:
+                   on_step=None, grow=None, last=None) -> list[tuple[BranchState, DraftResult]]:
+        if grow is not None or last is not None:  # see supports_depth and defers_record
+            raise ValueError("the static draft path's tree has a fixed shape: it grows no rows and defers no record")
         b, t = len(outcomes), tree.rows
         L0, T = tree.context_len, tree.trunk_len
         self._check_len(T + gamma + 1)

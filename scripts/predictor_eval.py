@@ -22,8 +22,8 @@ import torch
 
 from hf_ssd.drafter import Drafter
 from hf_ssd.fanout import geometric_fanout
-from hf_ssd.outcomes import predict_outcomes
-from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, rank_outcomes
+from hf_ssd.outcomes import bonus_rank, predict_outcomes, rank_outcomes
+from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
 
 
 class AcceptanceTracker:
@@ -58,14 +58,13 @@ def replay(target_ids: list[int], prompt_len: int, drafter: Drafter, gamma: int,
         alpha = tracker.rate
         for b in budgets:
             geo = predict_outcomes(candidates, tops, geometric_fanout(b, alpha, len(candidates)), alpha, b)
-            cal = rank_outcomes(candidates, tops, calibration, b)
+            cal = rank_outcomes(candidates, tops, hedged_length_probs(calibration, drafted_probs(candidates, tops)), b)
             counts[("geometric", b)] += truth in {(o.accepted, o.bonus) for o in geo}
             counts[("calibrated", b)] += truth in {(o.accepted, o.bonus) for o in cal}
             # The bound for any predictor that takes bonus tokens from the draft's ranking: it knows k exactly
             # and spends the whole budget on the draft's b likeliest bonuses there.
-            excluded = candidates[k] if k < len(candidates) else None
-            ranked = [t for t in tops[k][1].tolist() if t != excluded]
-            counts[("oracle_k", b)] += truth[1] in ranked[:b]
+            rank = bonus_rank(tops[k], candidates[k] if k < len(candidates) else None, truth[1])
+            counts[("oracle_k", b)] += rank is not None and rank < b
         counts["rounds"] += 1
         tracker.update(k, len(candidates))
         calibration.observe(drafted_probs(candidates, tops), k)

@@ -1,4 +1,5 @@
-"""The calibrated outcome predictor (hf_ssd/predictor.py): calibration, acceptance-length law, ranking."""
+"""The calibrated outcome predictor: calibration (hf_ssd/predictor.py), acceptance-length law and ranking
+(hf_ssd/outcomes.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, length_probs, rank_outcomes
+from hf_ssd.outcomes import length_probs, rank_outcomes
+from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
 
 
 def _top(pairs):
     probs, ids = zip(*pairs)
     return torch.tensor(probs), torch.tensor(ids)
+
+
+def _calibrated(candidates, tops, cal, budget, length_prior=None):
+    """The calibrated fan-out's outcomes, as the generator ranks them."""
+    return rank_outcomes(candidates, tops, hedged_length_probs(cal, drafted_probs(candidates, tops), length_prior),
+                         budget)
 
 
 @given(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=10))
@@ -63,7 +71,7 @@ def test_rank_outcomes_puts_budget_where_the_draft_is_unsure():
         _top([(0.97, 9), (0.02, 1), (0.01, 2)]),
         _top([(0.60, 11), (0.30, 12), (0.10, 13)]),  # after the last candidate
     ]
-    outcomes = rank_outcomes(candidates, tops, cal, budget=3)
+    outcomes = _calibrated(candidates, tops, cal, budget=3)
     assert len(outcomes) == 3
     assert [o.prob for o in outcomes] == sorted((o.prob for o in outcomes), reverse=True)
     assert (outcomes[0].accepted, outcomes[0].bonus) == (1, 5)
@@ -71,7 +79,7 @@ def test_rank_outcomes_puts_budget_where_the_draft_is_unsure():
     ks = {o.accepted for o in outcomes}
     assert 0 not in ks  # the confident first position gets nothing
     # The probabilities are a distribution over all outcomes: the top ones sum to at most 1.
-    assert sum(o.prob for o in rank_outcomes(candidates, tops, cal, budget=50)) == pytest.approx(1.0, abs=1e-6)
+    assert sum(o.prob for o in _calibrated(candidates, tops, cal, budget=50)) == pytest.approx(1.0, abs=1e-6)
 
 
 def _sure_calibration():
@@ -92,14 +100,14 @@ def test_rank_outcomes_gives_every_k_its_likeliest_bonus_when_the_budget_covers_
     """A calibration that calls both candidates sure puts a budget of 4 on k = 2 alone; the hedge keeps one
     outcome per k (the likeliest bonus, never the rejected candidate) and ranks the rest overall."""
     cal = _sure_calibration()
-    overall = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=50)  # every outcome, most likely first
+    overall = _calibrated([7, 8], _SURE_TOPS, cal, budget=50)  # every outcome, most likely first
     assert {o.accepted for o in overall[:4]} == {2}  # by rank alone, the budget of 4 would go to k = 2
-    hedged = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=4)
+    hedged = _calibrated([7, 8], _SURE_TOPS, cal, budget=4)
     assert sorted((o.accepted, o.bonus) for o in hedged if o.accepted < 2) == [(0, 3), (1, 5)]
     assert [o.bonus for o in hedged if o.accepted == 2] == [11, 12]
     assert [o.prob for o in hedged] == sorted((o.prob for o in hedged), reverse=True)
     # Fewer slots than acceptance lengths: ranked overall, as before.
-    assert {o.accepted for o in rank_outcomes([7, 8], _SURE_TOPS, cal, budget=2)} == {2}
+    assert {o.accepted for o in _calibrated([7, 8], _SURE_TOPS, cal, budget=2)} == {2}
 
 
 def test_rank_outcomes_mixes_the_measured_length_law_into_the_calibrated_one():
@@ -108,18 +116,18 @@ def test_rank_outcomes_mixes_the_measured_length_law_into_the_calibrated_one():
     cal = _sure_calibration()
     pk_cal = length_probs([cal.p_accept(0.98)] * 2)
     prior = [0.6, 0.2, 0.2]
-    ranked = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=50, length_prior=prior)
+    ranked = _calibrated([7, 8], _SURE_TOPS, cal, budget=50, length_prior=prior)
     by_k = [sum(o.prob for o in ranked if o.accepted == k) for k in range(3)]
     assert by_k == pytest.approx([0.5 * (a + b) for a, b in zip(pk_cal, prior)], abs=1e-6)
-    wide = rank_outcomes([7, 8], _SURE_TOPS, cal, budget=6, length_prior=prior)
+    wide = _calibrated([7, 8], _SURE_TOPS, cal, budget=6, length_prior=prior)
     assert sum(o.accepted == 0 for o in wide) == 2  # both k = 0 bonuses outrank the unlikely k = 2 ones
-    assert sum(o.accepted == 0 for o in rank_outcomes([7, 8], _SURE_TOPS, cal, budget=6)) == 1  # the floor alone
+    assert sum(o.accepted == 0 for o in _calibrated([7, 8], _SURE_TOPS, cal, budget=6)) == 1  # the floor alone
 
 
 def test_rank_outcomes_budget_zero_and_no_candidates():
     cal = AcceptanceCalibration()
-    assert rank_outcomes([4], [_top([(0.5, 4), (0.5, 2)]), _top([(1.0, 3)])], cal, 0) == []
-    only = rank_outcomes([], [_top([(0.7, 1), (0.3, 2)])], cal, 2)
+    assert _calibrated([4], [_top([(0.5, 4), (0.5, 2)]), _top([(1.0, 3)])], cal, 0) == []
+    only = _calibrated([], [_top([(0.7, 1), (0.3, 2)])], cal, 2)
     assert [(o.accepted, o.bonus) for o in only] == [(0, 1), (0, 2)]
 
 

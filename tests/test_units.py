@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import hf_ssd
 from hf_ssd.cache import Branch, SpeculationCache
 from hf_ssd.fallback import ngram_lookup, one_hot_logits
-from hf_ssd.fanout import acceptance_length_probs, geometric_fanout
-from hf_ssd.outcomes import predict_outcomes
+from hf_ssd.fanout import geometric_fanout
+from hf_ssd.outcomes import bonus_rank, length_probs, predict_outcomes
 
 
 @given(budget=st.integers(0, 200), alpha=st.floats(0.0, 1.0), gamma=st.integers(1, 12))
@@ -33,9 +33,11 @@ def test_geometric_fanout_follows_acceptance():
     assert geometric_fanout(10, 0.5, 3) == [5, 3, 1, 1]
 
 
-def test_acceptance_length_probs_sum_to_one():
+def test_length_probs_at_one_rate_are_the_geometric_law():
     for alpha in (0.0, 0.3, 0.99, 1.0):
-        assert abs(sum(acceptance_length_probs(alpha, 5)) - 1.0) < 1e-12
+        law = [alpha**k * (1 - alpha) for k in range(5)] + [alpha**5]
+        assert length_probs([alpha] * 5) == pytest.approx(law, abs=1e-12)
+    assert length_probs([0.5, 0.8]) == pytest.approx([0.5, 0.5 * 0.2, 0.5 * 0.8])  # position by position
 
 
 def _top(pairs):
@@ -60,6 +62,13 @@ def test_predict_outcomes_excludes_drafted_token_and_ranks():
     first = {(o.accepted, o.bonus): o.prob for o in outcomes}
     assert first[(0, 3)] == pytest.approx(0.5 * 0.75)
     assert len(predict_outcomes(candidates, tops, [2, 1, 1], 0.5, max_outcomes=2)) == 2
+
+
+def test_bonus_rank_skips_the_rejected_candidate():
+    top = _top([(0.5, 8), (0.3, 5), (0.2, 6)])
+    assert bonus_rank(top, 8, 5) == 0  # the rejected candidate 8 cannot be the bonus: 5 is first after it
+    assert bonus_rank(top, None, 5) == 1  # after the last candidate nothing is skipped
+    assert bonus_rank(top, 8, 4) is None  # not among the draft's tops
 
 
 def test_predict_outcomes_without_candidates_predicts_next_token():

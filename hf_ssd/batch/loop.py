@@ -35,7 +35,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..costs import cost_model_for, estimates_of
 from ..drafter import CONTEXT_FREE
-from ..outcomes import Outcome
+from ..outcomes import Outcome, bonus_rank
 from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler
 from ..speculator import Speculator
 from ..stats import SSDStats
@@ -645,9 +645,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
         for row, c, k, bonus in zip(live, rnd.candidates, rnd.accepted, rnd.bonus):
             next_kept = None
             if k < len(row.tops) and row.tops[k] is not None:  # where the bonus ranked among the draft's tops
-                excluded = c[k] if k < len(c) else None
-                ids = [t for t in row.tops[k][1].tolist() if t != excluded]
-                rank = ids.index(bonus) if bonus in ids else None
+                rank = bonus_rank(row.tops[k], c[k] if k < len(c) else None, bonus)
                 costs.add_rank(rank)
                 if k == len(c) and not do_sample:  # greedy: the draft's next token would have been kept or not
                     next_kept = rank == 0
