@@ -5,18 +5,20 @@
     out = target.generate(**inputs, assistant_model=draft, ssd_config=hf_ssd.SSDConfig(gamma=4))
     print(hf_ssd.last_stats(target).summary())
 
-The modules directly in `hf_ssd/` are the engine (config, integration, generator, speculator, drafter, kvcache,
-probe, static_draft, graphs, outcomes, predictor, fanout, cache, fallback, layouts, stats, and the measured-cost
-scheduler: schedule, costs). Tooling lives in subpackages the engine never imports:
-`hf_ssd.models` (the default real pair, tiny and synthetic pairs), `hf_ssd.bench` (benchmark, prompts, metric,
-timeline plots) and `hf_ssd.cli` (the `hf-ssd` command).
+The engine's layers are folders: `loop` (the decoding loops: hf_ssd's own for batches, and one prompt's
+inside transformers' assisted decoding), `speculation` (the outcome model, fan-outs, the background job and its
+cache), `drafting` (the draft's forwards, dynamic and static) and `scheduling` (measured costs and the choice
+of option); beside them `config`, `integration` (`enable` and the `generate` wrapper), `layouts` and `stats`.
+Tooling lives in subpackages the engine never imports: `hf_ssd.models` (the default real pair, tiny and
+synthetic pairs), `hf_ssd.bench` (benchmark, prompts, metric, timeline plots) and `hf_ssd.cli` (the `hf-ssd`
+command).
 """
 
 import importlib
 
 from .config import SSDConfig, SSDConfigError
-from .drafter import UnsupportedDraftError
-from .graphs import GraphCaptureError
+from .drafting.drafter import UnsupportedDraftError
+from .drafting.graphs import GraphCaptureError
 from .integration import SSDUsageError, disable, enable, is_enabled, last_stats
 from .layouts import LayoutError
 from .stats import SSDStats
@@ -29,7 +31,7 @@ _LAZY_MODULES = {
     "tiny": "hf_ssd.models.tiny",
     "models": "hf_ssd.models",
     "bench": "hf_ssd.bench",
-    "profile": "hf_ssd.profile",  # engine, not tooling: the tuning profile (`hf_ssd.profile.ignored()`, `save`)
+    "profile": "hf_ssd.scheduling.profile",  # engine, not tooling: the tuning profile (`hf_ssd.profile.ignored()`, `save`)
 }
 
 

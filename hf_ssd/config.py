@@ -46,7 +46,7 @@ class SSDConfig:
             the default pair, docs/performance.md) or `"geometric"` to split `fanout_budget` across acceptance lengths k = 0..gamma in proportion to
             the probability of each k under the measured acceptance rate; `"calibrated"` to give the budget to
             the most likely outcomes overall, with P(accept) at each position learned online as a function of
-            the draft's probability of the token it drafted (`hf_ssd/predictor.py`); or an explicit list of
+            the draft's probability of the token it drafted (`hf_ssd/speculation/predictor.py`); or an explicit list of
             gamma + 1 ints (the number of bonus tokens to pre-draft for each k).
         fanout_budget: total number of predicted outcomes per round for the geometric allocation. `None`
             picks by layout: 8 where the speculator has a GPU (batched branches are nearly free there), 1 on CPU
@@ -87,7 +87,7 @@ class SSDConfig:
             `torch.get_num_threads()`, all cores by default).
         hit_rate_warning: warn when a call's cache hit rate is below this (0 disables).
         record_timeline: keep per-round timing events in the stats (for `hf_ssd.plot_timeline`).
-        static_draft: draft with preallocated KV caches and fixed one-token step shapes (`hf_ssd/static_draft.py`)
+        static_draft: draft with preallocated KV caches and fixed one-token step shapes (`hf_ssd/drafting/static.py`)
             instead of growing DynamicCaches. `None`: on when the draft is on CUDA (where graphs need it), off on
             CPU. Drafts it cannot drive (sliding-window, ALiBi, flash attention) use the dynamic path, logged.
         cuda_graphs: capture each static draft step once as a CUDA graph and replay it. `None`: on for CUDA
@@ -97,7 +97,7 @@ class SSDConfig:
             measured online (overlapped SSD at some fan-out budget and gamma, plain speculative decoding, or the
             target alone); values set explicitly here are kept as constraints (docs/scheduling.md).
             `"fixed"` always runs overlapped SSD with the values above (the budget default picked by layout).
-        draft_matmul: how the draft's `nn.Linear` layers multiply on CPU during the call (`hf_ssd/matmul.py`).
+        draft_matmul: how the draft's `nn.Linear` layers multiply on CPU during the call (`hf_ssd/drafting/matmul.py`).
             `"auto"` (default): float32 CPU layers compute few-row products as (W @ x^T)^T where that is faster on
             this CPU, timed once per process on the draft's layers (on a 2-vCPU AMD EPYC 2.8-4.7x as fast as
             `linear` for 1-4 rows, on a 2-vCPU Intel Xeon half as fast); `"transposed"`: that for every floating-point CPU

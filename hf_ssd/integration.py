@@ -22,14 +22,14 @@ import weakref
 import torch
 from transformers import GenerationMixin
 
-from .batch import loop as batch_loop
 from .config import SSDConfig
-from .costs import cost_model_for
-from .generator import SSDCandidateGenerator
-from .kvcache import check_draft, stateful_reason
+from .drafting.kvcache import check_draft, stateful_reason
+from .drafting.matmul import draft_matmul
+from .drafting.probe import probe_draft
 from .layouts import resolve_layout, thread_settings
-from .matmul import draft_matmul
-from .probe import probe_draft
+from .loop import batch as batch_loop
+from .loop.assisted import SSDCandidateGenerator
+from .scheduling.costs import cost_model_for
 from .stats import SSDStats
 
 logger = logging.getLogger("hf_ssd")
@@ -195,7 +195,7 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
 
 
 def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: float, layout: str, hooks):
-    """B > 1: hf_ssd's own loop (batch/loop.py) as transformers' `custom_generate`; transformers prepares the
+    """B > 1: hf_ssd's own loop (loop/batch.py) as transformers' `custom_generate`; transformers prepares the
     inputs, processors and stopping criteria, and the loop runs AR or plain SD rounds over all rows."""
     stats = SSDStats(layout="batch", schedule=config.schedule, draft_path="batched")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "assistant_tokenizer")}

@@ -37,7 +37,7 @@ class SSDStats:
     it was predicted best (`explored_seconds`: their time); `predicted_tokens_per_second` is what the cost
     model predicted for the rounds it decided (compare `tokens_per_second`); `cost_model` is the measured model
     at the end of the call.
-    `profile`: the tuning profile (hf_ssd/profile.py) the pair's estimates were loaded from in this process, or
+    `profile`: the tuning profile (hf_ssd/scheduling/profile.py) the pair's estimates were loaded from in this process, or
     None when they were measured here from the priors.
     """
 

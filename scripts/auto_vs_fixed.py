@@ -25,9 +25,9 @@ import torch
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.costs import reset_estimates
 from hf_ssd.models.simulated import DeviceCost, simulate_device
 from hf_ssd.models.tiny import tiny_pair
+from hf_ssd.scheduling.costs import reset_estimates
 
 
 def main(argv=None) -> int:

@@ -51,7 +51,7 @@ def child(args) -> None:
     from hf_ssd.models.pairs import load_default_pair
 
     assert Path(hf_ssd.__file__).resolve().is_relative_to(Path(args.child).resolve()), hf_ssd.__file__
-    from hf_ssd.generator import SSDCandidateGenerator
+    from hf_ssd.loop.assisted import SSDCandidateGenerator
 
     if not hasattr(SSDCandidateGenerator, "num_drafting_tokens"):
         # A checkout older than transformers 5.25's support: its assisted loop reads this before the first round

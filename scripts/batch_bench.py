@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Batched throughput: the target's own batched `generate` against the default `SSDConfig()` (hf_ssd's batched
-loop, hf_ssd/batch/loop.py) at B in {1, 2, 4, 8, 16}, and the two methods' peak memory at the largest B.
+loop, hf_ssd/loop/batch.py) at B in {1, 2, 4, 8, 16}, and the two methods' peak memory at the largest B.
 Prints numbers; not a test.
 
     python scripts/batch_bench.py                   # the real pair (Qwen2.5-Coder 1.5B / 0.5B Instruct)
@@ -122,7 +122,7 @@ def parse_args(argv=None):
 
 def batch_option_names() -> set[str]:
     """Names of the options the batch loop may choose with SSDConfig() (any batch size)."""
-    from hf_ssd.batch.loop import batch_options
+    from hf_ssd.loop.batch import batch_options
 
     config = SSDConfig()
     options, _ = batch_options(config, config.resolved_budget(False)[0], {})
@@ -419,7 +419,7 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    ignore = hf_ssd.profile.ignored() if (args.no_profile or args.sim) else contextlib.nullcontext()
+    ignore = hf_ssd.scheduling.profile.ignored() if (args.no_profile or args.sim) else contextlib.nullcontext()
     with ignore:
         if args.memory_child:
             print("MEMORY_JSON " + json.dumps(memory_child(args)), flush=True)

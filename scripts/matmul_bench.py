@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""CPU matrix products by row count: torch's `linear` against the transposed product of hf_ssd/matmul.py.
+"""CPU matrix products by row count: torch's `linear` against the transposed product of hf_ssd/drafting/matmul.py.
 Prints numbers; not a test.
 
     python scripts/matmul_bench.py                 # one weight shape, many copies (nothing stays in cache)
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_ssd import matmul
+from hf_ssd.drafting import matmul
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 16)
 

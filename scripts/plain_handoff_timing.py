@@ -2,7 +2,7 @@
 """What hf_ssd's plain batched decoding costs over the target's own batched `generate`, in one process.
 
 Where drafting cannot pay at a batch size (this CPU at B >= 8), SSDConfig() hands the whole call to
-transformers' own `_sample` (hf_ssd/batch/plain.py), entered through `custom_generate`. This script times
+transformers' own `_sample` (hf_ssd/loop/plain.py), entered through `custom_generate`. This script times
 three ways to run the same batch, interleaved (T S C C S T, repeated) so that the machine's drift weighs on
 all three alike:
 
@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
 
 import hf_ssd  # noqa: E402
-import hf_ssd.batch.plain as plain  # noqa: E402
+import hf_ssd.loop.plain as plain  # noqa: E402
 from hf_ssd import SSDConfig  # noqa: E402
-from hf_ssd.batch import loop  # noqa: E402
 from hf_ssd.bench.batched import left_pad, pad_token_id  # noqa: E402
 from hf_ssd.bench.prompts import encode_prompt, load_prompts  # noqa: E402
+from hf_ssd.loop import batch as loop  # noqa: E402
 
 
 class Clock(plain.StepClock):

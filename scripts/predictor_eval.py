@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from hf_ssd.drafter import Drafter
-from hf_ssd.fanout import geometric_fanout
-from hf_ssd.outcomes import bonus_rank, predict_outcomes, rank_outcomes
-from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
+from hf_ssd.drafting.drafter import Drafter
+from hf_ssd.speculation.fanout import geometric_fanout
+from hf_ssd.speculation.outcomes import bonus_rank, predict_outcomes, rank_outcomes
+from hf_ssd.speculation.predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
 
 
 class AcceptanceTracker:

@@ -11,7 +11,7 @@
        on the first prompt at 1 and 2 threads), against the default SSDConfig(). Wrap in
        `flock /tmp/realpair.lock` on shared machines (one real-pair process at a time). --with-stock adds
        SSDConfig(draft_matmul="stock"): the default's draft runs faster CPU products than the assisted
-       baselines' draft (hf_ssd/matmul.py); this separates that from the scheduler.
+       baselines' draft (hf_ssd/drafting/matmul.py); this separates that from the scheduler.
 
     python scripts/sched_bench.py --sim
     flock /tmp/realpair.lock python scripts/sched_bench.py --real --prompts 3 --max-new-tokens 64
@@ -102,9 +102,9 @@ def fmt_shares(shares):
 
 
 def sim_bench(args):
-    from hf_ssd.costs import reset_estimates
     from hf_ssd.models.simulated import DeviceCost, simulate_device, unsimulate
     from hf_ssd.models.tiny import tiny_pair
+    from hf_ssd.scheduling.costs import reset_estimates
 
     torch.set_num_threads(1)
     target, draft, _ = tiny_pair(seed=0, noise=args.sim_noise)

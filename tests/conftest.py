@@ -14,7 +14,7 @@ import hf_ssd
 VOCAB = 96
 EOS = 1
 
-# Tuning profiles off for the suite (hf_ssd/profile.py): no test reads one from the user's cache or one an earlier
+# Tuning profiles off for the suite (hf_ssd/scheduling/profile.py): no test reads one from the user's cache or one an earlier
 # test's `hf-ssd tune` wrote, and none is written there; tests/test_profile.py turns them on in a temporary dir.
 os.environ["HF_SSD_NO_PROFILE"] = "1"
 

@@ -25,7 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_ssd
 from hf_ssd import LayoutError, SSDConfig, SSDConfigError, SSDUsageError
-from hf_ssd.drafter import UnsupportedDraftError
+from hf_ssd.drafting.drafter import UnsupportedDraftError
 from hf_ssd.models.fetch import FetchError, verify_file
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"

@@ -1,4 +1,4 @@
-"""Batched calls (B > 1, hf_ssd/batch/): every row exact.
+"""Batched calls (B > 1, hf_ssd/loop/): every row exact.
 
 Greedy: every row identical to the target's own batched `generate` on the same (left-padded) batch and to the
 row run alone, for B in {2, 3, 8, 16}, mixed prompt lengths, rows ending early at EOS, AR and SD rounds at
@@ -17,8 +17,8 @@ from test_families import build
 from test_sampling import GEN, L, N, assert_matches_target, exact_joint, sampling_pair
 
 import hf_ssd
-import hf_ssd.batch.loop as loop
-import hf_ssd.batch.ragged as ragged
+import hf_ssd.loop.batch as loop
+import hf_ssd.loop.ragged as ragged
 from hf_ssd import SSDConfig, SSDUsageError
 from hf_ssd.models.simulated import DeviceCost, simulate_device
 
@@ -232,7 +232,7 @@ def test_pipeline_with_batch_size_matches_plain_pipeline(pair):
     got = pipe(prompts, batch_size=4, max_new_tokens=12, do_sample=False, ssd_config=SSDConfig(**QUIET),
                _ssd_hooks={"plain": False})  # the loop, not a first call's plain decoding
     assert got == want
-    batch4 = [m for k, m in hf_ssd.costs.estimates_of(target, close) if k[2] == "batch4:thread"]
+    batch4 = [m for k, m in hf_ssd.scheduling.costs.estimates_of(target, close) if k[2] == "batch4:thread"]
     assert batch4 and batch4[0].rounds_seen > 0 and batch4[0].plain_step.count == 0  # it ran the loop
 
 
@@ -349,7 +349,7 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
     target, draft = compute_bound_pair
     first = run(target, draft, 4, 0)
     assert first.draft_path == "plain batched" and first.proposed_tokens == 0  # nothing measured: plain first
-    costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch4:thread"][0]
+    costs = [m for k, m in hf_ssd.scheduling.costs.estimates_of(target, draft) if k[2] == "batch4:thread"][0]
     second = run(target, draft, 4, 1)  # then the loop, measured against it
     assert second.draft_path == "batched" and second.proposed_tokens > 0
     assert costs.loop_speedup.count == 0 and 0 < costs.loop_pending[2] < loop.VERDICT_MIN_STEPS  # not judged yet
@@ -362,7 +362,7 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
     bigger = run(target, draft, 8, 6)  # a new size: plain first
     assert bigger.draft_path == "plain batched" and bigger.new_tokens == 8 * NEW
     assert set(bigger.options) == {"prefill", "plain batched"} and bigger.options["plain batched"]["rounds"] == NEW - 1
-    costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch8:thread"][0]
+    costs = [m for k, m in hf_ssd.scheduling.costs.estimates_of(target, draft) if k[2] == "batch8:thread"][0]
     assert costs.rounds_seen == 0 and costs.plain_step.count == NEW - 1  # no loop rounds at 8
     assert 0.01 < costs.plain_step.value < 0.02  # 12 ms per simulated step
     # Its second call would run the loop to measure it, but the verdict at 4 holds at 8 (more rows only make a
@@ -392,7 +392,7 @@ def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_ve
     ran faster than plain's measured step (tokens a row per second), whatever the per-round model predicts
     (it is optimistic on CPU cores); a faster measured option leaves the call to the loop, unless the draft's
     prompt prefill (measured) would eat its gain over the call's new tokens."""
-    from hf_ssd.schedule import Option, Prediction
+    from hf_ssd.scheduling.schedule import Option, Prediction
 
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
     draft = noisy_copy(target, 0.02)
@@ -421,7 +421,7 @@ def test_an_early_plain_verdict_is_tried_again_sooner_than_a_judged_one():
     """Plain calls measure no loop rounds, so an early verdict (a few rounds slower than a plain step, e.g. on a
     busy machine) would hold until PLAIN_REFRESH; the loop runs again after EARLY_REFRESH plain calls, and a
     judged verdict (a whole loop call slower than plain) keeps plain for PLAIN_REFRESH calls."""
-    from hf_ssd.schedule import Option, Prediction
+    from hf_ssd.scheduling.schedule import Option, Prediction
 
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
     draft = noisy_copy(target, 0.02)
@@ -452,7 +452,7 @@ def test_plain_decoding_is_not_chosen_where_drafting_pays():
         paths.append(stats.draft_path)
         assert (stats.proposed_tokens > 0) == (stats.draft_path == "batched")
     assert paths == ["plain batched"] + ["batched"] * 4, paths
-    costs = [m for k, m in hf_ssd.costs.estimates_of(target, draft) if k[2] == "batch4:thread"][0]
+    costs = [m for k, m in hf_ssd.scheduling.costs.estimates_of(target, draft) if k[2] == "batch4:thread"][0]
     assert costs.loop_speedup.value > 1.5
 
 
@@ -460,7 +460,7 @@ def test_the_loops_verdict_leaves_out_explored_rounds_and_waits_for_enough_steps
     """A loop call's speedup over plain decoding counts only its chosen rounds (the explored rounds' time, and
     their share of the output in plain's steps, are left out), and short calls add up until they hold
     VERDICT_MIN_STEPS steps."""
-    costs = hf_ssd.costs.CostModel(on_gpu=False, top_k=9, initial_acceptance=0.6)
+    costs = hf_ssd.scheduling.costs.CostModel(on_gpu=False, top_k=9, initial_acceptance=0.6)
     costs.plain_step.update(0.04)
 
     def row(new, explored):
@@ -491,7 +491,7 @@ def _draft_greedy(draft, context: list[int], n: int) -> tuple[list[int], list[fl
 
 def _job_setup(pair, lengths, seed, gamma, do_sample=False):
     """Rows of a padded batch after the draft's prefill and a proposal of `gamma` candidates (2 rows without)."""
-    from hf_ssd.batch.draft import BatchDrafter
+    from hf_ssd.drafting.batch import BatchDrafter
 
     target, _, noisy = pair
     ids, mask = padded_batch(lengths, seed)
@@ -516,7 +516,7 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
     first k candidates and the bonus, both for branches fed their bonus in the first step and for late ones (the
     row's last outcome: its bonus ranked in the first step, fed in the second). The draft's own rows stay as the
     round left them. Fails on a wrong position, mask or tag in a branch's copy."""
-    from hf_ssd.batch.speculate import Tree, speculate
+    from hf_ssd.speculation.batch import Tree, speculate
 
     gamma = 3
     draft, drafter, rows, candidates = _job_setup(pair, lengths_for(6, seed), seed, gamma)
@@ -547,7 +547,7 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
 def test_every_sampled_branch_keeps_the_distribution_each_token_was_drawn_from(pair, seed):
     """Sampling: a taken branch's q at each of its tokens is the draft's distribution there (what speculative
     sampling divides by), for late branches too. Fails when a branch's q belongs to another copy or step."""
-    from hf_ssd.batch.speculate import Tree, speculate
+    from hf_ssd.speculation.batch import Tree, speculate
 
     gamma = 3
     draft, drafter, rows, candidates = _job_setup(pair, lengths_for(6, seed), seed, gamma, do_sample=True)
@@ -566,7 +566,7 @@ def test_every_sampled_branch_keeps_the_distribution_each_token_was_drawn_from(p
 def test_a_job_stops_stepping_once_its_next_step_would_end_past_the_verify():
     """A deadline already passed: the job drafts its first step only (the caller would otherwise wait for the
     further steps); without a deadline it drafts all of them."""
-    from hf_ssd.batch.speculate import Tree, speculate
+    from hf_ssd.speculation.batch import Tree, speculate
 
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
     pair_ = (target, None, noisy_copy(target, 0.02))
@@ -631,7 +631,7 @@ def test_every_round_is_measured_at_its_live_rows_size(pair, monkeypatch):
     """A batch's tail rounds (fewer rows live: a cheaper verify on CPU cores, more tokens a row per second) go to
     the estimates of the live rows' own size, not the call's, whichever size decides them: counted at the call's
     size they made drafting look faster than a plain step there."""
-    from hf_ssd.costs import reset_estimates
+    from hf_ssd.scheduling.costs import reset_estimates
 
     target, _, noisy = pair
     reset_estimates(target)
@@ -656,7 +656,7 @@ def test_a_jobs_first_step_is_not_measured_as_a_step_of_its_width(pair, monkeypa
     """The job's first step feeds the late branches' unread tokens (and after a change of width meets fresh
     buffers): only its later steps go to the step-time estimates (a few slow first steps had rated 16 branches
     a row 40% slower than they ran)."""
-    import hf_ssd.costs as hc
+    import hf_ssd.scheduling.costs as hc
 
     target, _, noisy = pair
     ids, mask = padded_batch(lengths_for(4, 5), 5)
@@ -680,7 +680,7 @@ def test_a_jobs_first_step_is_not_measured_as_a_step_of_its_width(pair, monkeypa
 def test_a_batch_rounds_acceptance_decays_once_a_round_and_counts_the_position_after_a_kept_draft():
     """A round of 8 rows decays the acceptance counts once (per row, 8 rows left about 2.5 rounds of memory, and
     the deep positions read as the prior); `next_kept` counts the position after a wholly accepted draft."""
-    from hf_ssd.costs import CostModel
+    from hf_ssd.scheduling.costs import CostModel
 
     c = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.5)
     for _ in range(5):
@@ -699,7 +699,7 @@ def test_greedy_rounds_measure_the_position_after_their_gamma(pair, rows, do_sam
     (the bonus is its first choice there), so the position after the running gamma is measured and a longer
     gamma can be predicted from data; one prompt (the generator) and a batch (the loop) alike. Sampling shows no
     such verdict: nothing is counted there."""
-    from hf_ssd.costs import estimates_of, reset_estimates
+    from hf_ssd.scheduling.costs import estimates_of, reset_estimates
 
     target, _, _ = pair
     same = noisy_copy(target, 0.0)  # every candidate, and the draft's next token, kept
@@ -720,8 +720,8 @@ def test_a_batch_of_one_row_predicts_ssd_without_a_measured_draft():
     """A batch's miss may draft nothing (the row takes its one token), at one row too: a batch size that only
     tails measure, with no draft on the critical path yet, still predicts its SSD options (once such a size was
     informed it saw only AR and chose it for every last row). One prompt's generator keeps its fallback."""
-    from hf_ssd.costs import CostModel
-    from hf_ssd.schedule import Option, Scheduler
+    from hf_ssd.scheduling.costs import CostModel
+    from hf_ssd.scheduling.schedule import Option, Scheduler
 
     config = SSDConfig(**QUIET)
     options, default = loop.batch_options(config, 1, {})
@@ -738,7 +738,7 @@ def test_a_batch_of_one_row_predicts_ssd_without_a_measured_draft():
 def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_informed():
     """A batch's last rows run on the call's batch size's estimates until the live rows' size holds
     INFORMED_ROUNDS rounds (a size only tails measure would explore from the priors)."""
-    from hf_ssd.costs import reset_estimates
+    from hf_ssd.scheduling.costs import reset_estimates
 
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
     draft = noisy_copy(target, 0.02)

@@ -11,7 +11,7 @@ from conftest import make_model, noisy_copy
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.costs import CostModel
+from hf_ssd.scheduling.costs import CostModel
 
 THREADS, CALLS, NEW = 6, 15, 10
 

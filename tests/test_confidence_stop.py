@@ -28,9 +28,9 @@ from test_schedule import QUIET, RANKS, fed_costs, force
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.costs import CostModel
-from hf_ssd.fallback import draft_until_unsure
-from hf_ssd.schedule import CONFIDENCE_CAP, Option, Scheduler, allowed_options, expected_tokens
+from hf_ssd.drafting.fallback import draft_until_unsure
+from hf_ssd.scheduling.costs import CostModel
+from hf_ssd.scheduling.schedule import CONFIDENCE_CAP, Option, Scheduler, allowed_options, expected_tokens
 
 # ----- expected tokens from the measured per-position acceptance -------------------------------------------------
 
@@ -118,7 +118,7 @@ def monte_carlo_stop(threshold: float, cap: int, rng: random.Random, rounds: int
 
 @pytest.mark.parametrize("threshold", [0.3, 0.6])
 def test_confidence_model_matches_the_stop_it_models(threshold, monkeypatch):
-    monkeypatch.setattr(hf_ssd.costs, "CONFIDENCE_DECAY", 1.0)  # all rounds count: no estimator noise to allow for
+    monkeypatch.setattr(hf_ssd.scheduling.costs, "CONFIDENCE_DECAY", 1.0)  # all rounds count: no estimator noise to allow for
     costs = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.5)
     rng = random.Random(1)
     feed_confidence(costs, rng, 3000)
@@ -166,7 +166,7 @@ def test_ar_wins_once_measured_acceptance_collapses():
 
 def test_draft_until_unsure_stops_after_the_first_unsure_token(target, draft):
     config = SSDConfig()
-    from hf_ssd.static_draft import make_drafter
+    from hf_ssd.drafting.static import make_drafter
 
     d = make_drafter(draft, config, None, False, 4, None, target.config.vocab_size, 64, 1)
     context = [3, 4, 5, 6]
@@ -256,9 +256,9 @@ def test_chi_square_catches_a_stop_rule_that_is_not_exact(pair, monkeypatch):  #
             tokens.append(token)
             rows.append(logq)
             seq.append(token)
-        return hf_ssd.drafter.DraftResult(tokens, torch.stack(rows) if rows else None)
+        return hf_ssd.drafting.drafter.DraftResult(tokens, torch.stack(rows) if rows else None)
 
-    monkeypatch.setattr(hf_ssd.fallback, "draft_until_unsure", wrong)
+    monkeypatch.setattr(hf_ssd.drafting.fallback, "draft_until_unsure", wrong)
     force(monkeypatch, lambda options: next(o for o in stop_options(options) if o.stop == 0.5))
     joint = exact_joint(target)
     torch.manual_seed(2468)

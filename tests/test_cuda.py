@@ -19,9 +19,9 @@ import torch
 from conftest import make_model, noisy_copy
 
 import hf_ssd
-import hf_ssd.generator as generator_mod
+import hf_ssd.loop.assisted as generator_mod
 from hf_ssd import LayoutError, SSDConfig
-from hf_ssd.speculator import Speculator
+from hf_ssd.speculation.speculator import Speculator
 
 pytestmark = pytest.mark.cuda
 
@@ -239,7 +239,7 @@ def fresh_draft(noise: float = 0.005):
 
 
 def test_graphs_captured_once_and_reused_across_calls(gpu_target, speculators):
-    import hf_ssd.static_draft as sd
+    import hf_ssd.drafting.static as sd
 
     draft = fresh_draft()
     cfg = SSDConfig(layout="stream", hit_rate_warning=0.0, cuda_graphs=True)
@@ -262,8 +262,8 @@ def test_graphs_captured_once_and_reused_across_calls(gpu_target, speculators):
 
 def test_no_host_sync_inside_draft_steps():
     """torch's sync debug mode errors on any synchronising call; only the end-of-round transfers are allowed."""
-    import hf_ssd.static_draft as sd
-    from hf_ssd.outcomes import Outcome
+    import hf_ssd.drafting.static as sd
+    from hf_ssd.speculation.outcomes import Outcome
 
     draft = fresh_draft()
     sta = sd.StaticDrafter(draft, None, True, 3, 0.5, torch.Generator(device="cuda").manual_seed(0), max_len=256,
@@ -378,7 +378,7 @@ def test_graphs_under_inference_mode(gpu_target, speculators):
     assert_shut_down(speculators)
 
 
-# ----- batched calls (hf_ssd/batch/) ----------------------------------------------------------------------------
+# ----- batched calls (hf_ssd/loop/) ----------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["auto", "fixed"])
 def test_batched_rows_identical_to_target_on_cuda(gpu_target, gpu_drafts, schedule):
     """A left-padded batch of 4 on the GPU: each row is what the target alone generates (float64 models)."""

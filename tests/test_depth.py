@@ -23,10 +23,10 @@ from test_sampling import GEN, PROMPT, N, assert_matches_target, exact_joint, sa
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.cache import Branch, SpeculationCache
-from hf_ssd.drafter import Drafter, Unfinished
+from hf_ssd.drafting.drafter import Drafter, Unfinished
 from hf_ssd.models.simulated import DeviceCost, simulate_device, unsimulate
-from hf_ssd.outcomes import Outcome
+from hf_ssd.speculation.cache import Branch, SpeculationCache
+from hf_ssd.speculation.outcomes import Outcome
 
 
 # ----- the cache -------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""SSDConfig.draft_matmul: the draft's CPU linear layers computed as (W @ x^T)^T during a call (hf_ssd/matmul.py).
+"""SSDConfig.draft_matmul: the draft's CPU linear layers computed as (W @ x^T)^T during a call (hf_ssd/drafting/matmul.py).
 
 - The product equals `F.linear` (float64: to rounding) for every row count, shape and bias.
 - Only the draft's own plain `nn.Linear` layers are patched, only during the call (also when it fails), never a
@@ -17,7 +17,7 @@ from conftest import make_model, noisy_copy
 from test_sampling import GEN, PROMPT, L, N, assert_matches_target, exact_joint, sampling_pair
 
 import hf_ssd
-from hf_ssd import matmul
+from hf_ssd.drafting import matmul
 
 QUIET = {"hit_rate_warning": 0.0}
 

@@ -22,8 +22,8 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_ssd
 from hf_ssd import SSDConfig, SSDStats
-from hf_ssd.cache import SpeculationCache
-from hf_ssd.drafter import Drafter
+from hf_ssd.drafting.drafter import Drafter
+from hf_ssd.speculation.cache import SpeculationCache
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])
 QUIET = {"hit_rate_warning": 0.0}

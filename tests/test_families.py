@@ -24,9 +24,9 @@ from test_sampling import GEN, assert_matches_target, exact_joint
 
 import hf_ssd
 from hf_ssd import SSDConfig, SSDUsageError, UnsupportedDraftError
-from hf_ssd.drafter import Drafter
+from hf_ssd.drafting.drafter import Drafter
 from hf_ssd.models.simulated import DeviceCost, simulate_device, unsimulate
-from hf_ssd.outcomes import Outcome
+from hf_ssd.speculation.outcomes import Outcome
 
 V = 96
 W = 8  # sliding window of the "past the window" cases: prompt 6 + 40 new tokens is almost 6 windows

@@ -243,7 +243,7 @@ def test_repeated_faults_do_not_accumulate_threads(target, close_draft, referenc
 def test_stuck_speculator_job_does_not_hang_generate(target, close_draft, reference, monkeypatch):
     """A draft call that never returns (a stuck device call) makes generate raise within the bounded wait
     instead of hanging it, at collect and at exit alike."""
-    import hf_ssd.speculator as spec
+    import hf_ssd.speculation.speculator as spec
 
     monkeypatch.setattr(spec, "WAIT_TIMEOUT_S", 0.5)
     release = threading.Event()
@@ -269,7 +269,7 @@ def test_stuck_speculator_job_does_not_hang_generate(target, close_draft, refere
 
 def test_error_while_closing_does_not_replace_the_callers_error(target, close_draft, reference, monkeypatch):
     """The user gets the first error (here from a stopping criterion), not one raised while shutting down."""
-    from hf_ssd.generator import SSDCandidateGenerator
+    from hf_ssd.loop.assisted import SSDCandidateGenerator
 
     real_close = SSDCandidateGenerator.close
 
@@ -288,8 +288,8 @@ def test_error_while_closing_does_not_replace_the_callers_error(target, close_dr
 def test_failed_close_still_releases_the_static_buffers(target, close_draft, reference, monkeypatch):
     """A failure in the speculator's shutdown must not leave the draft's static buffers marked busy (the next
     call would then allocate new ones instead of reusing them)."""
-    import hf_ssd.static_draft as sd
-    from hf_ssd.speculator import Speculator
+    import hf_ssd.drafting.static as sd
+    from hf_ssd.speculation.speculator import Speculator
 
     config = SSDConfig(gamma=4, layout="thread", hit_rate_warning=0.0, static_draft=True)
     real_close = Speculator.close

@@ -14,7 +14,7 @@ from conftest import make_model, noisy_copy
 import hf_ssd
 import hf_ssd.integration as integration
 from hf_ssd import SSDConfig, SSDConfigError
-from hf_ssd.kvcache import check_draft, forward_params
+from hf_ssd.drafting.kvcache import check_draft, forward_params
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])
 QUIET = {"hit_rate_warning": 0.0}

@@ -14,9 +14,9 @@ import torch
 from conftest import make_model, noisy_copy
 
 import hf_ssd
-from hf_ssd.drafter import Drafter
+from hf_ssd.drafting.drafter import Drafter
 from hf_ssd.models.simulated import DeviceCost, simulate_device, unsimulate
-from hf_ssd.outcomes import Outcome
+from hf_ssd.speculation.outcomes import Outcome
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 2, 40, 41, 42], [20, 21]]
 
@@ -111,7 +111,7 @@ def test_a_cut_job_gives_k_below_g_rows_a_step_more(pair):
 def test_every_branch_is_the_drafts_own_continuation(pair):
     """Each filed branch, (g, bonus) ones included, holds what the draft alone decodes after its prefix and bonus:
     the row that fed c_g and the rows that joined after it attend to the right keys and values."""
-    import hf_ssd.generator as generator
+    import hf_ssd.loop.assisted as generator
 
     target, draft = pair
     filed = []
@@ -140,7 +140,7 @@ def test_sampled_branches_carry_the_draft_distribution_of_every_token(pair):
     """When sampling, each filed branch, (g, bonus) ones included, holds one draft distribution per token, the
     one its token was drawn from: speculative sampling reads it as q, so a row left over from the fed last
     candidate (or a shifted one) would change the output distribution."""
-    import hf_ssd.generator as generator
+    import hf_ssd.loop.assisted as generator
 
     target, draft = pair
     filed = []

@@ -16,7 +16,7 @@ from conftest import make_model, noisy_copy
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.cache import SpeculationCache
+from hf_ssd.speculation.cache import SpeculationCache
 
 NEW = 8
 PROMPTS = [torch.tensor([[5 + i, 6 + 3 * i, 7, 8 + 2 * i][: 2 + i % 3]]) for i in range(8)]

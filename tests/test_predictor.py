@@ -1,5 +1,5 @@
-"""The calibrated outcome predictor: calibration (hf_ssd/predictor.py), acceptance-length law and ranking
-(hf_ssd/outcomes.py)."""
+"""The calibrated outcome predictor: calibration (hf_ssd/speculation/predictor.py), acceptance-length law and ranking
+(hf_ssd/speculation/outcomes.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hf_ssd.outcomes import length_probs, rank_outcomes
-from hf_ssd.predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
+from hf_ssd.speculation.outcomes import length_probs, rank_outcomes
+from hf_ssd.speculation.predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
 
 
 def _top(pairs):
@@ -147,7 +147,7 @@ def pair():
 @pytest.mark.parametrize("budget", [1, 4])
 def test_calibrated_fanout_is_exact_and_learns(pair, layout, budget):
     import hf_ssd
-    from hf_ssd.predictor import calibration_for
+    from hf_ssd.speculation.predictor import calibration_for
 
     target, draft = pair
     config = hf_ssd.SSDConfig(fanout="calibrated", fanout_budget=budget, layout=layout, schedule="fixed",

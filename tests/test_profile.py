@@ -1,4 +1,4 @@
-"""Tuning profiles (hf_ssd/profile.py): the scheduler's measured costs saved per (target, draft, device, dtype,
+"""Tuning profiles (hf_ssd/scheduling/profile.py): the scheduler's measured costs saved per (target, draft, device, dtype,
 threads, machine) and loaded by new processes. Every test writes under its own temporary cache
 (HF_SSD_CACHE=tmp_path); the rest of the suite runs with profiles off (conftest)."""
 
@@ -16,9 +16,10 @@ import torch
 from conftest import make_model, noisy_copy
 
 import hf_ssd
-from hf_ssd import SSDConfig, profile
-from hf_ssd.costs import CostModel, estimates_of, reset_estimates
-from hf_ssd.schedule import Option, Scheduler, allowed_options
+from hf_ssd import SSDConfig
+from hf_ssd.scheduling import profile
+from hf_ssd.scheduling.costs import CostModel, estimates_of, reset_estimates
+from hf_ssd.scheduling.schedule import Option, Scheduler, allowed_options
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = torch.tensor([[5, 6, 7, 8]])
@@ -252,7 +253,7 @@ def test_save_is_atomic_and_keeps_other_entries(pair, profiles_on, monkeypatch):
 def test_a_passed_probe_is_remembered_across_processes(profiles_on, monkeypatch):
     """The draft probe's verdict and step time are kept on disk (beside the profiles): a later process with the
     same draft skips the probe's forwards; another draft, or profiles off, runs it."""
-    from hf_ssd import probe
+    from hf_ssd.drafting import probe
 
     runs = []
     real = probe._run_probe

@@ -29,10 +29,17 @@ from test_sampling import (
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.batch.loop import batch_options
-from hf_ssd.costs import CostModel, estimates_of, reset_estimates
+from hf_ssd.loop.batch import batch_options
 from hf_ssd.models.simulated import DeviceCost, simulate_device
-from hf_ssd.schedule import CATCH_UP_TOKENS, WIDE_BUDGETS, Option, Scheduler, allowed_options, expected_tokens
+from hf_ssd.scheduling.costs import CostModel, estimates_of, reset_estimates
+from hf_ssd.scheduling.schedule import (
+    CATCH_UP_TOKENS,
+    WIDE_BUDGETS,
+    Option,
+    Scheduler,
+    allowed_options,
+    expected_tokens,
+)
 
 QUIET = {"hit_rate_warning": 0.0}
 
@@ -619,7 +626,7 @@ def test_a_hit_holds_the_steps_that_end_within_half_a_step_of_the_outcome():
 
 
 def test_decide_repredicts_the_shortlist_between_full_passes(monkeypatch):
-    from hf_ssd import schedule
+    from hf_ssd.scheduling import schedule
 
     costs = fed_costs(0.8, 1.0, lambda b: 1.0, 0.25, lambda w: 0.25, RANKS)
     config = SSDConfig()

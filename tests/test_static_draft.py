@@ -1,4 +1,4 @@
-"""The static-shape draft path (hf_ssd/static_draft.py) on CPU: same candidates as the dynamic drafter, greedy
+"""The static-shape draft path (hf_ssd/drafting/static.py) on CPU: same candidates as the dynamic drafter, greedy
 output identical to the target alone, sampled output distributed as the target's, its config switches, the
 fallback to the dynamic path for drafts it cannot drive, buffer reuse across calls, and no host sync inside the
 steps of a round. CUDA graphs themselves are tested in tests/test_cuda.py.
@@ -17,12 +17,12 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
 
 import hf_ssd
-import hf_ssd.static_draft as sd
+import hf_ssd.drafting.static as sd
 from hf_ssd import SSDConfig, SSDConfigError
-from hf_ssd.drafter import Drafter
-from hf_ssd.graphs import GraphCaptureError, StepRunner
-from hf_ssd.outcomes import Outcome
-from hf_ssd.static_draft import StaticDrafter, make_drafter, static_support
+from hf_ssd.drafting.drafter import Drafter
+from hf_ssd.drafting.graphs import GraphCaptureError, StepRunner
+from hf_ssd.drafting.static import StaticDrafter, make_drafter, static_support
+from hf_ssd.speculation.outcomes import Outcome
 
 NEW = 24
 REAL_STEP_FN = sd._step_fn
@@ -440,7 +440,7 @@ def test_tree_steps_reach_the_host_once(draft, monkeypatch):
 
 # ----- the step runner without CUDA ---------------------------------------------------------------------------------
 def test_step_runner_capture_failure(monkeypatch, caplog):
-    import hf_ssd.graphs as graphs
+    import hf_ssd.drafting.graphs as graphs
 
     def boom(fn, warmup):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -460,7 +460,7 @@ def test_step_runner_capture_failure(monkeypatch, caplog):
 def test_failed_capture_raises_for_a_strict_call_that_reuses_the_state(target, monkeypatch, caplog):
     """A capture that failed under cuda_graphs=None is remembered: a later cuda_graphs=True call raises, and the
     buffers are free afterwards (CPU stand-in: the capture itself is made to fail)."""
-    import hf_ssd.graphs as graphs
+    import hf_ssd.drafting.graphs as graphs
 
     def boom(fn, warmup):
         raise RuntimeError("capture failed")

@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hf_ssd
-from hf_ssd.cache import Branch, SpeculationCache
-from hf_ssd.fallback import ngram_lookup, one_hot_logits
-from hf_ssd.fanout import geometric_fanout
-from hf_ssd.outcomes import bonus_rank, length_probs, predict_outcomes
+from hf_ssd.drafting.fallback import ngram_lookup, one_hot_logits
+from hf_ssd.speculation.cache import Branch, SpeculationCache
+from hf_ssd.speculation.fanout import geometric_fanout
+from hf_ssd.speculation.outcomes import bonus_rank, length_probs, predict_outcomes
 
 
 @given(budget=st.integers(0, 200), alpha=st.floats(0.0, 1.0), gamma=st.integers(1, 12))

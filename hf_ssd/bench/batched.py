@@ -4,7 +4,7 @@
 Batches are left-padded (the prompts' token ids, already encoded, are padded on the left with the tokenizer's
 pad token, the mask marking the real tokens), as transformers' batched `generate` expects for decoder-only
 models. `--method ar` (the target alone) runs the target's own batched `generate`; SSD runs hf_ssd's batched
-loop (hf_ssd/batch/loop.py: AR or plain SD rounds over all rows, exact per row). transformers' assisted
+loop (hf_ssd/loop/batch.py: AR or plain SD rounds over all rows, exact per row). transformers' assisted
 generation is batch-1 only.
 """
 

@@ -10,7 +10,7 @@ measured fastest.
 Predicted tok/s are per decoding round (verify + draft work), measured tok/s are whole `generate` calls (they
 also pay the prompt prefill), so predictions read somewhat higher.
 
-At the end the pair's cost model is saved as its tuning profile (`hf_ssd.profile.save`), which new processes
+At the end the pair's cost model is saved as its tuning profile (`hf_ssd.scheduling.profile.save`), which new processes
 load instead of exploring; the measurement starts from the previous profile unless `use_profile=False`.
 """
 
@@ -22,18 +22,18 @@ import time
 
 import torch
 
-from .. import profile
 from ..config import SSDConfig
-from ..costs import cost_model_for, reset_estimates
 from ..integration import enable, last_stats
-from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, WIDE_BUDGETS, Option, Scheduler, allowed_options
+from ..scheduling import profile
+from ..scheduling.costs import cost_model_for, reset_estimates
+from ..scheduling.schedule import AUTO_BUDGETS, AUTO_GAMMAS, WIDE_BUDGETS, Option, Scheduler, allowed_options
 
 SAMPLE_TEMPERATURE = 0.7
 
 
 def _measure(target, draft, prompts, max_new_tokens, do_sample, config, only=None, seed=0, hooks=None):
     """(tok/s over all prompts, last stats, outputs) of SSD calls restricted to option `only` (None: unrestricted);
-    with `config=None`, of the target alone (AR; stats None). `hooks`: the generator's (hf_ssd/generator.py)."""
+    with `config=None`, of the target alone (AR; stats None). `hooks`: the generator's (hf_ssd/loop/assisted.py)."""
     if only is not None:
         hooks = {**(hooks or {}), "options": lambda options: [o for o in options if o == only]}
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
@@ -72,7 +72,7 @@ def run_tune(target, draft, prompts: list[list[int]], max_new_tokens: int = 48, 
     """Measure and predict every option on `prompts` (token id lists); returns the report as a dict.
 
     `use_profile=False`: the measurement starts from the priors, not from the pair's saved tuning profile;
-    `save_profile`: write the measured costs as the pair's profile at the end (`hf_ssd.profile`)."""
+    `save_profile`: write the measured costs as the pair's profile at the end (`hf_ssd.scheduling.profile`)."""
     with contextlib.nullcontext() if use_profile else profile.ignored():
         report = _run_tune(target, draft, prompts, max_new_tokens, gammas, budgets, do_sample, progress)
     report["profile"] = {"loaded": report.pop("_loaded"), "written": None, "error": None}

@@ -549,7 +549,7 @@ def _profile_switch(args):
     """`--no-profile`: no tuning profile is read during the command (`hf-ssd tune` still writes its new one)."""
     import contextlib
 
-    from .. import profile
+    from ..scheduling import profile
 
     return profile.ignored() if getattr(args, "no_profile", False) else contextlib.nullcontext()
 

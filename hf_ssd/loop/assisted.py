@@ -23,20 +23,20 @@ from typing import NamedTuple
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .cache import Branch, SpeculationCache
-from .config import SSDConfig
-from .costs import CostModel
-from .depth import Parent, deeper_children, grown_children
-from .drafter import Unfinished
-from .fallback import run_fallback
-from .fanout import geometric_fanout
-from .outcomes import Outcome, bonus_probs, bonus_rank, predict_outcomes, rank_outcomes
-from .predictor import calibration_for, drafted_probs, hedged_length_probs
-from .probe import step_seconds
-from .schedule import CATCH_UP_TOKENS, LATE_GRACE, Option, Scheduler, allowed_options
-from .speculator import Speculator
-from .static_draft import make_drafter
-from .stats import SSDStats
+from ..config import SSDConfig
+from ..drafting.drafter import Unfinished
+from ..drafting.fallback import run_fallback
+from ..drafting.probe import step_seconds
+from ..drafting.static import make_drafter
+from ..scheduling.costs import CostModel
+from ..scheduling.schedule import CATCH_UP_TOKENS, LATE_GRACE, Option, Scheduler, allowed_options
+from ..speculation.cache import Branch, SpeculationCache
+from ..speculation.depth import Parent, deeper_children, grown_children
+from ..speculation.fanout import geometric_fanout
+from ..speculation.outcomes import Outcome, bonus_probs, bonus_rank, predict_outcomes, rank_outcomes
+from ..speculation.predictor import calibration_for, drafted_probs, hedged_length_probs
+from ..speculation.speculator import Speculator
+from ..stats import SSDStats
 
 
 class LastRow(NamedTuple):
@@ -123,7 +123,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                                    every_family=bool(self.hooks.get("every_family")),
                                    warmup_budget=config.warmup_budget if config.schedule == "auto" else None)
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=self.drafter.path)
-        self.stats.profile = getattr(self.costs, "profile", None)  # the tuning profile the estimates started from (hf_ssd/profile.py)
+        self.stats.profile = getattr(self.costs, "profile", None)  # the tuning profile the estimates started from (hf_ssd/scheduling/profile.py)
         self.round = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (context, candidates) being verified
         self._outcome: tuple[int, int] | None = None

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..kvcache import forward_params, holds_tensors, new_cache
+from ..drafting.kvcache import forward_params, holds_tensors, new_cache
 
 COMPACT_WASTE = 0.25  # compact when masked columns exceed this share of the cache (and at least COMPACT_MIN)
 COMPACT_MIN = 32

@@ -265,7 +265,7 @@ def _load_calibration(draft, do_sample: bool, saved) -> None:
     """Seed the draft's acceptance calibration (`fanout="calibrated"`) unless this process already has one."""
     if not isinstance(saved, dict):
         return
-    from . import predictor
+    from ..speculation import predictor
 
     cal = predictor.AcceptanceCalibration(bins=int(saved["bins"]))
     accepted, tried = [float(v) for v in saved["accepted"]], [float(v) for v in saved["tried"]]
@@ -280,7 +280,7 @@ def _load_calibration(draft, do_sample: bool, saved) -> None:
 
 
 def _calibration_state(draft, do_sample: bool) -> dict | None:
-    from . import predictor
+    from ..speculation import predictor
 
     with predictor._carried_lock:
         cal = predictor._carried.get(draft, {}).get(bool(do_sample))

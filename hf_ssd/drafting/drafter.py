@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ..speculation.outcomes import Outcome
 from .kvcache import SequenceView, UnsupportedDraftError, forward_params, holds_tensors, new_cache
-from .outcomes import Outcome
 
 TopProbs = tuple[torch.Tensor, torch.Tensor]  # (probabilities, token ids), most likely first
 

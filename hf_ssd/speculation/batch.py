@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..fanout import geometric_fanout
-from ..outcomes import Outcome, predict_outcomes
-from ..schedule import LATE_GRACE
-from .draft import BatchDrafter
-from .ragged import RaggedCache
+from ..drafting.batch import BatchDrafter
+from ..loop.ragged import RaggedCache
+from ..scheduling.schedule import LATE_GRACE
+from .fanout import geometric_fanout
+from .outcomes import Outcome, predict_outcomes
 
 
 @dataclass

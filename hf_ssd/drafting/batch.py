@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import CONTEXT_FREE
-from .ragged import RaggedCache
+from ..loop.ragged import RaggedCache
+from .drafter import CONTEXT_FREE
 
 
 class BatchDrafter:

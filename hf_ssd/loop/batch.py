@@ -33,17 +33,17 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..costs import cost_model_for, estimates_of
-from ..drafter import CONTEXT_FREE
-from ..outcomes import Outcome, bonus_rank
-from ..schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler
-from ..speculator import Speculator
+from ..drafting.batch import BatchDrafter
+from ..drafting.drafter import CONTEXT_FREE
+from ..scheduling.costs import cost_model_for, estimates_of
+from ..scheduling.schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler
+from ..speculation.batch import Branch, Tree, speculate
+from ..speculation.outcomes import Outcome, bonus_rank
+from ..speculation.speculator import Speculator
 from ..stats import SSDStats
 from .accept import accept_greedy, accept_sampled
-from .draft import BatchDrafter
 from .plain import decode_plain
 from .ragged import RaggedCache
-from .speculate import Branch, Tree, speculate
 
 logger = logging.getLogger("hf_ssd")
 

@@ -23,8 +23,8 @@ import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..speculation.fanout import geometric_fanout
 from .costs import CostModel
-from .fanout import geometric_fanout
 
 AUTO_BUDGETS = (1, 2, 4, 8, 16)
 # Wider fan-outs pay only where a batched step over many branches costs about one branch (an idle accelerator).
@@ -140,11 +140,11 @@ class Scheduler:
                  deferred_record: bool = False, rows: int | None = None, every_family: bool = False,
                  warmup_budget: float | None = None):
         self.config = config
-        # Rows of a batch (batch/loop.py; None: one prompt's generator): a round runs the miss fallback if any row
+        # Rows of a batch (loop/batch.py; None: one prompt's generator): a round runs the miss fallback if any row
         # misses, and a missed row may draft nothing (it takes its one token), at every batch size, one row too.
         self.rows, self.batch = rows or 1, rows is not None
         # Branches per row a job of budget b gives its rows: b, but a batch's job shares the branches of the rows
-        # that have ended among the live ones (batch/loop.py `_job_budget`), which sets this before deciding.
+        # that have ended among the live ones (loop/batch.py `_job_budget`), which sets this before deciding.
         self.job_budget = lambda b: b
         # Jobs feed the last candidate in their first tree step (generator, "the last candidate"): branches of
         # the outcome k = g then start a step after the others.

@@ -14,7 +14,7 @@ import math
 import threading
 import weakref
 
-from .outcomes import length_probs
+from ..speculation.outcomes import length_probs
 
 MAX_POSITION = 32  # per-position acceptance is tracked for draft positions 1..MAX_POSITION (later ones: the last)
 POSITION_DECAY = 0.95
@@ -201,7 +201,7 @@ class CostModel:
     - `confidence_seen[i]` / `confidence_accepted[i]`: a histogram, by the draft's probability of its own top
       token (CONFIDENCE_BINS bins), of drafted positions whose prefix was accepted, and how many of them the
       target accepted; it models the confidence-stopped SD options for any threshold (`confidence_model`).
-    - Batches (batch/loop.py) also keep, per batch size: `plain_step`, a step of plain batched decoding (the
+    - Batches (loop/batch.py) also keep, per batch size: `plain_step`, a step of plain batched decoding (the
       target's own loop, plain.py); `loop_speedup`, per loop call, plain's time for its output (its steps at
       `plain_step`) over the loop's time after the prefill, judged once loop calls add up to enough chosen steps
       (`loop_pending`: plain's seconds, the loop's and the steps of calls not yet judged);
@@ -583,8 +583,8 @@ class CostModel:
             "rounds_seen": self.rounds_seen,
         }
 
-    # ----- saving and loading (hf_ssd/profile.py keeps them across processes) --------------------------------
-    profile: str | None = None  # the tuning profile these estimates were loaded from (hf_ssd.profile), if any
+    # ----- saving and loading (hf_ssd/scheduling/profile.py keeps them across processes) --------------------------------
+    profile: str | None = None  # the tuning profile these estimates were loaded from (hf_ssd.scheduling.profile), if any
 
     def state_dict(self) -> dict:
         """Every measured estimate the scheduler reads, as plain JSON-able data (the caller holds `lock`).
@@ -687,7 +687,7 @@ def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: i
     costs at most some exploration, never exactness.
 
     A model created here for the first time in a process starts from the pair's saved tuning profile where one
-    matches (`hf_ssd.profile`: written by `hf-ssd tune`; HF_SSD_NO_PROFILE=1 ignores it).
+    matches (`hf_ssd.scheduling.profile`: written by `hf-ssd tune`; HF_SSD_NO_PROFILE=1 ignores it).
     """
     key = (id(draft), str(device), layout, bool(do_sample), top_k, draft_matmul)
     with _models_lock:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from . import profile
+from ..scheduling import profile
+from ..speculation.outcomes import Outcome
 from .drafter import Drafter
 from .kvcache import UnsupportedDraftError
 from .matmul import draft_matmul
-from .outcomes import Outcome
 
 logger = logging.getLogger("hf_ssd")
 

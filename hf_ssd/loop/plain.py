@@ -4,7 +4,7 @@ Where a batched verify is compute-bound (CPU cores at large B), every drafted ca
 a token decoded alone, and the fastest thing to run is what the user would run without hf_ssd: transformers'
 `_sample` over the whole batch. Its output is the target's own by construction. Each step is timed (a stopping
 criterion that never stops) into the pair's plain-step estimate at this batch size (and its AR estimate), against
-which a loop call's speedup is measured (loop.py, `BatchPlan.plain`).
+which a loop call's speedup is measured (batch.py, `BatchPlan.plain`).
 """
 
 from __future__ import annotations

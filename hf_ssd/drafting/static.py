@@ -27,10 +27,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from ..speculation.outcomes import Outcome
 from .drafter import BranchState, Drafter, DraftResult
 from .graphs import GraphCaptureError, StepRunner, host_list, to_device, to_host
 from .kvcache import forward_params
-from .outcomes import Outcome
 
 logger = logging.getLogger("hf_ssd")
 
