@@ -36,7 +36,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..drafting.batch import BatchDrafter
 from ..drafting.drafter import CONTEXT_FREE
 from ..scheduling.costs import cost_model_for, estimates_of
-from ..scheduling.schedule import AUTO_BUDGETS, AUTO_GAMMAS, Option, Scheduler
+from ..scheduling.schedule import AUTO_BUDGETS, Option, Scheduler, allowed_options
 from ..speculation.batch import Branch, Tree, speculate
 from ..speculation.outcomes import Outcome, bonus_rank
 from ..speculation.speculator import Speculator
@@ -109,20 +109,11 @@ class Round:
 
 
 def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option], Option]:
-    """(options, default) for batches: AR, plain SD and SSD at 1-16 branches per row (each batch size keeps those
-    within BATCH_BRANCHES, `BatchPlan.scheduler`); explicit settings are
-    constraints as for one prompt (schedule="fixed": SSD at the configured gamma and budget; a fan-out budget
-    or a layout set: SSD only; gamma set: that gamma)."""
-    default = Option("ssd", config.gamma, fixed_budget)
-    if config.schedule == "fixed":
-        options = [default]
-    else:
-        gammas = (config.gamma,) if config.is_set("gamma") else AUTO_GAMMAS
-        budgets = (fixed_budget,) if config.is_set("fanout_budget") else AUTO_BUDGETS
-        options = [Option("ssd", g, b) for b in budgets for g in gammas]
-        if not (config.is_set("fanout_budget") or config.is_set("layout")):
-            options = [Option("ar")] + [Option("sd", g) for g in gammas] + options
-        default = Option("sd", config.gamma) if Option("sd", config.gamma) in options else options[0]
+    """(options, default) for batches: `allowed_options` without one prompt's confidence stops, thread counts and
+    wide budgets (each batch size keeps those within BATCH_BRANCHES, `BatchPlan.scheduler`); the default is
+    plain SD at the configured gamma where that is an option, else the first of them."""
+    options = allowed_options(config, "thread", fixed_budget, wide=False, stops=False)
+    default = Option("sd", config.gamma) if Option("sd", config.gamma) in options else options[0]
     if "options" in hooks:  # tests and tooling restrict the choice
         options = list(hooks["options"](options)) or options
         default = default if default in options else options[0]

@@ -108,16 +108,16 @@ def expected_tokens(n: int, alpha: float) -> float:
 
 
 def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple[int, ...] = (),
-                    wide: bool = True) -> list[Option]:
-    """The options the scheduler may pick; explicit settings are constraints.
+                    wide: bool = True, stops: bool = True) -> list[Option]:
+    """The options the scheduler may pick, for one prompt and for batches; explicit settings are constraints.
 
     - schedule="fixed": only SSD with the configured gamma and budget (today's behaviour).
     - gamma set: that gamma only.
     - a fan-out set (fanout list or fanout_budget) or a layout set: the user asked for the speculator, so only
       SSD options (at that fan-out); the scheduler still tunes gamma where it is not set.
-    - otherwise: AR, SD, confidence-stopped SD (up to CONFIDENCE_CAP tokens, thresholds CONFIDENCE_STOPS) and
-      SSD at budgets 1..16, and 32 and 64 with `wide` (within the cache size); `fewer_threads` adds AR and both
-      SD kinds at those thread counts (CPU thread layout with `cpu_threads` unset).
+    - otherwise: AR, SD, confidence-stopped SD with `stops` (up to CONFIDENCE_CAP tokens, thresholds
+      CONFIDENCE_STOPS; one prompt's) and SSD at budgets 1..16, and 32 and 64 with `wide` (within the cache size);
+      `fewer_threads` adds AR and both SD kinds at those thread counts (CPU thread layout, `cpu_threads` unset).
     """
     gammas = (config.gamma,) if config.is_set("gamma") or config.is_set("fanout") else AUTO_GAMMAS
     if config.schedule == "fixed":
@@ -130,7 +130,7 @@ def allowed_options(config, layout: str, fixed_budget: int, fewer_threads: tuple
         return ssd
     plain = [Option("ar", threads=t) for t in (0, *fewer_threads)]
     plain += [Option("sd", g, threads=t) for t in (0, *fewer_threads) for g in gammas]
-    if not config.is_set("gamma"):  # a confidence stop chooses the draft length: not with a gamma set
+    if stops and not config.is_set("gamma"):  # a confidence stop chooses the draft length: not with a gamma set
         plain += [Option("sd", CONFIDENCE_CAP, threads=t, stop=c) for t in (0, *fewer_threads) for c in CONFIDENCE_STOPS]
     return plain + ssd
 
