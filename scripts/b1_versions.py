@@ -7,12 +7,13 @@ a test.
     flock /tmp/realpair.lock python scripts/b1_versions.py --old /tmp/old19
 
 The prompts (--prompts, 16: half HumanEval, half GSM, from this checkout's hf_ssd.bench.prompts) are encoded once
-here and given to one child process per checkout (old, then this one; --rounds 2 repeats the pair of children
-in the order new, old), which puts its checkout first on sys.path, loads the pair, warms each method up with
---warmup-calls (2) calls of 16 tokens, then runs every prompt with the target alone and with `SSDConfig()`,
-alternating which goes first (A B, B A, ...), greedy, --max-new-tokens (64) each, 2 torch threads. Every SSD
-output is compared with the target's (greedy: they must be identical). Reported per child: tok/s of each method
-(all new tokens / all calls' wall time) and SSD / target; then this checkout's SSD tok/s over the old one's.
+here and given to one child process per checkout (old, then this one; --new-first: this one first; --rounds 2
+repeats the pair of children in the other order), which puts its checkout first on sys.path, loads the pair,
+warms each method up with --warmup-calls (2) calls of 16 tokens, then runs every prompt with the target alone
+and with `SSDConfig()`, alternating which goes first (A B, B A, ...), greedy, --max-new-tokens (64) each, 2
+torch threads. Every SSD output is compared with the target's (greedy: they must be identical). Reported per
+child: tok/s of each method (all new tokens / all calls' wall time) and SSD / target; then this checkout's SSD
+tok/s over the old one's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup-calls", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="pairs of children (old, new; then new, old; ...)")
+    p.add_argument("--new-first", action="store_true", help="start with this checkout (new, old; then old, new)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # a checkout's root: run the measurement with it
     p.add_argument("--io", help=argparse.SUPPRESS)  # the child's prompts (in) and results (out), JSON
     return p.parse_args(argv)
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
     checkouts = {"old": str(Path(args.old).resolve()), "new": str(ROOT)}
     order = []
     for r in range(args.rounds):
-        order += ["old", "new"] if r % 2 == 0 else ["new", "old"]
+        order += ["old", "new"] if (r % 2 == 0) != args.new_first else ["new", "old"]
     results: dict[str, list[dict]] = {"old": [], "new": []}
     for name in order:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
