@@ -136,6 +136,10 @@ class SSDConfig:
             self.__dict__["_set_fields"] = self.__dict__["_set_fields"] | {"gamma"}
         object.__setattr__(self, name, value)
 
+    def passed(self, name: str) -> bool:
+        """Whether the caller passed this field to the constructor (or assigned gamma since)."""
+        return name in self.__dict__.get("_set_fields", frozenset())
+
     def is_set(self, name: str) -> bool:
         """Whether the user chose this value (the scheduler keeps it) or left the default (the scheduler may tune).
 
@@ -144,9 +148,9 @@ class SSDConfig:
         when it is not "auto"; `cpu_threads` when not None.
         """
         if name == "gamma":
-            return "gamma" in self.__dict__.get("_set_fields", frozenset())
+            return self.passed("gamma")
         if name == "fallback":  # passed to the constructor (either field): the scheduler keeps that fallback
-            return bool({"fallback", "fallback_gamma"} & self.__dict__.get("_set_fields", frozenset()))
+            return self.passed("fallback") or self.passed("fallback_gamma")
         if name == "fanout":
             return isinstance(self.fanout, list)
         if name == "fanout_budget":

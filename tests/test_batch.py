@@ -42,6 +42,8 @@ CONFIGS = {
     "ssd_g3_b1": (SSDConfig(gamma=3, schedule="fixed", layout="inline", **QUIET), None),
     "ssd_g4_b4": (SSDConfig(gamma=4, fanout_budget=4, schedule="fixed", layout="inline", **QUIET), None),
     "ssd_g2_b2_thread": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="thread", **QUIET), None),
+    "ssd_g3_b4_geometric": (SSDConfig(gamma=3, fanout_budget=4, fanout="geometric", schedule="fixed",
+                                      layout="inline", **QUIET), None),
 }
 
 
@@ -510,19 +512,24 @@ def _job_setup(pair, lengths, seed, gamma, do_sample=False):
     return noisy, drafter, rows, candidates
 
 
+@pytest.mark.parametrize("fanout", ["geometric", "calibrated"])
 @pytest.mark.parametrize("seed", range(3))
-def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, seed):
+def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, seed, fanout):
     """A job's branch for outcome (k, bonus) must hold what the draft alone drafts after the row's tokens, its
     first k candidates and the bonus, both for branches fed their bonus in the first step and for late ones (the
-    row's last outcome: its bonus ranked in the first step, fed in the second). The draft's own rows stay as the
-    round left them. Fails on a wrong position, mask or tag in a branch's copy."""
+    row's last outcome: its bonus ranked in the first step, fed in the second), with either fan-out. The draft's
+    own rows stay as the round left them. Fails on a wrong position, mask or tag in a branch's copy."""
     from hf_ssd.speculation.batch import Tree, speculate
+    from hf_ssd.speculation.predictor import AcceptanceCalibration
 
     gamma = 3
     draft, drafter, rows, candidates = _job_setup(pair, lengths_for(6, seed), seed, gamma)
     before = (drafter.kv.mask.clone(), drafter.kv.tag.clone(), [(r.draft_fed, r.draft_feed, r.tagged) for r in rows])
     tree = Tree()
-    speculate(drafter, rows, candidates, gamma, 16, 0.6, lambda row, o: True, tree, lambda: False)
+    calibrated = {"calibration": AcceptanceCalibration(), "priors": [[0.3, 0.2, 0.1, 0.4][: len(c) + 1]
+                                                                      if c else [1.0] for c in candidates]}
+    speculate(drafter, rows, candidates, gamma, 16, 0.6, lambda row, o: True, tree, lambda: False,
+              **(calibrated if fanout == "calibrated" else {}))
     assert torch.equal(drafter.kv.mask, before[0]) and torch.equal(drafter.kv.tag, before[1])
     assert [(r.draft_fed, r.draft_feed, r.tagged) for r in rows] == before[2]
     late = [b for b in tree.branches if b.rank is not None]
@@ -541,6 +548,61 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
             assert ranked == rows[i].tops[len(c)][1][: len(ranked)].tolist()
             tokens, probs = _draft_greedy(draft, rows[i].real + c, 1)
             assert ranked[0] == tokens[0] and float(rows[i].tops[len(c)][0][0]) == pytest.approx(probs[0], abs=1e-5)
+
+
+def test_a_calibrated_job_spends_a_rows_branches_where_its_draft_is_unsure():
+    """fanout="calibrated" in a batch: each row's budget goes to its likeliest outcomes by the draft's confidence
+    (a sure first candidate gets no branch for its rejection), where the geometric split gives every k some; a
+    bonus the draft has not ranked yet (after the last candidate) keeps its share as late branches."""
+    from types import SimpleNamespace
+
+    from hf_ssd.speculation.batch import _outcomes
+    from hf_ssd.speculation.predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
+
+    def top(pairs):
+        return torch.tensor([p for p, _ in pairs]), torch.tensor([t for _, t in pairs])
+
+    cal = AcceptanceCalibration()
+    for _ in range(50):  # the draft's sure tokens are kept, its unsure ones rejected
+        cal.observe([0.98, 0.4], 1)
+    c = [7, 8]
+    tops = [top([(0.98, 7), (0.01, 3), (0.01, 4)]), top([(0.4, 8), (0.35, 5), (0.25, 6)]),
+            top([(0.6, 11), (0.3, 12), (0.1, 13)])]
+    pk = hedged_length_probs(cal, drafted_probs(c, tops), [1 / 3] * 3)
+    calibrated, late = _outcomes(SimpleNamespace(tops=tops), c, 2, 0.6, pk)
+    geometric, _ = _outcomes(SimpleNamespace(tops=tops), c, 2, 0.6, None)
+    assert late == 0 and len(calibrated) == len(geometric) == 2
+    assert [(o.accepted, o.bonus) for o in calibrated] == [(1, 5), (1, 6)]
+    assert 0 not in {o.accepted for o in calibrated} and 0 in {o.accepted for o in geometric}
+    unranked, late = _outcomes(SimpleNamespace(tops=tops[:2]), c, 3, 0.6, pk)  # nothing read after candidate 2
+    assert all(o.accepted < 2 for o in unranked) and late == 3 - len(unranked)
+    assert _outcomes(SimpleNamespace(tops=[]), [], 4, 0.6, [1.0]) == ([], 4)  # no candidates: all late
+
+
+@pytest.mark.parametrize("fanout", [None, "calibrated"])
+def test_batched_calls_teach_the_drafts_calibration_when_calibrated(pair, monkeypatch, fanout):
+    """With fanout="calibrated" set, the rounds of a batch observe P(accept | the draft's confidence) into the
+    draft's calibration (shared with single-prompt calls), which the jobs' ranking reads: each row's drafted
+    probabilities and its accepted count. Left unset, a batch splits per k and neither reads nor teaches it."""
+    from hf_ssd.speculation.predictor import calibration_for
+
+    target, _, noisy = pair
+    cal = calibration_for(noisy, False)
+    seen, read = [], []
+    observe, p_accept = cal.observe, cal.p_accept
+    monkeypatch.setattr(cal, "observe", lambda qs, k: (seen.append((list(qs), k)), observe(qs, k)))
+    monkeypatch.setattr(cal, "p_accept", lambda q: (read.append(q), p_accept(q))[1])
+    ids, mask = padded_batch([4, 6, 5], 3)
+    config = SSDConfig(gamma=3, schedule="fixed", layout="inline", **QUIET, **({"fanout": fanout} if fanout else {}))
+    out = target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=config)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW))
+    if fanout is None:
+        assert seen == [] and read == []
+        return
+    assert len(seen) >= 3 * 4 and read  # rows x rounds (20 tokens at most 4 a round)
+    assert all(1 <= len(qs) <= 3 and 0 <= k <= len(qs) and all(0 <= q <= 1 for q in qs) for qs, k in seen)
+    assert any(k < len(qs) for qs, k in seen) and any(k == len(qs) for qs, k in seen)
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -33,7 +33,14 @@ from ..scheduling.schedule import CATCH_UP_TOKENS, LATE_GRACE, Option, Scheduler
 from ..speculation.cache import Branch, SpeculationCache
 from ..speculation.depth import Parent, deeper_children, grown_children
 from ..speculation.fanout import geometric_fanout
-from ..speculation.outcomes import Outcome, bonus_probs, bonus_rank, predict_outcomes, rank_outcomes
+from ..speculation.outcomes import (
+    Outcome,
+    bonus_probs,
+    bonus_rank,
+    placeholder_top,
+    predict_outcomes,
+    rank_outcomes,
+)
 from ..speculation.predictor import calibration_for, drafted_probs, hedged_length_probs
 from ..speculation.speculator import Speculator
 from ..stats import SSDStats
@@ -43,13 +50,6 @@ class LastRow(NamedTuple):
     outcome: Outcome  # (g - 1, c_g): the row's outcome until its first step
     share: int  # rows for k = g, this one included: all feed c_g in the first step
     extra: Callable  # (top after c_g, its first token) -> (P(g, first), the other (g, bonus) outcomes)
-
-
-def _placeholder(top):
-    """A top list with `top`'s probabilities and ids no token has: it sizes the k = g share of a job's budget
-    before the draft's distribution after the last candidate is known."""
-    values, ids = top
-    return values, -1 - torch.arange(len(ids))
 
 
 class SSDCandidateGenerator(CandidateGenerator):
@@ -426,7 +426,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             info["tops"], info["record_s"] = tops, time.perf_counter() - t0
             # Deferred, the budget is split as if the draft's distribution after the last candidate had the shape
             # of the one before it; its real top tokens fill the k = g share after the first step.
-            ranked = tops[:g] + [_placeholder(tops[g - 1])] if deferred else tops
+            ranked = tops[:g] + [placeholder_top(tops[g - 1])] if deferred else tops
             # Branches a deeper level of the previous job drafted for this round (promoted on its hit) are extra:
             # the budget goes to the likeliest outcomes not held yet.
             extra = self.cache.held(round_id)

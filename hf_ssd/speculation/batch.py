@@ -19,7 +19,8 @@ from ..drafting.batch import BatchDrafter
 from ..loop.ragged import RaggedCache
 from ..scheduling.schedule import LATE_GRACE
 from .fanout import geometric_fanout
-from .outcomes import Outcome, predict_outcomes
+from .outcomes import Outcome, placeholder_top, predict_outcomes, rank_outcomes
+from .predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
 
 
 @dataclass
@@ -73,7 +74,8 @@ class Tree:
 
 def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: int, budget: int, alpha: float,
               allowed: Callable[[object, Outcome], bool], tree: Tree, should_stop: Callable[[], bool],
-              deadline: float | None = None) -> None:
+              deadline: float | None = None, calibration: AcceptanceCalibration | None = None,
+              priors: list[list[float]] | None = None) -> None:
     """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
     `should_stop`, or until a step would end more than LATE_GRACE of a step after `deadline` (when the
     verification is expected to end: the caller would wait for that step; its tokens are worth less than the wait).
@@ -84,26 +86,32 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     drafted): its branches feed those tokens in the first step, take the ranked bonus from it, and feed that in
     the second, one token behind the others. A separate read before the first step would delay every branch
     by a draft forward (a quarter of the verify on an accelerator), and the job leaves the draft's own rows as
-    the round left them: a miss costs nothing to undo."""
+    the round left them: a miss costs nothing to undo.
+
+    With a `calibration` (`fanout="calibrated"`) each row's budget goes to its likeliest outcomes overall
+    (`rank_outcomes`), P(k) from the draft's confidence in each candidate, hedged with the row's measured law
+    (`priors`, P(k) per row from the per-position acceptance); otherwise per k by the geometric split at
+    `alpha`. Either way the share of k = g outcomes whose bonus the draft has not ranked yet goes to late
+    branches."""
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
         return
     start = time.perf_counter()
     sources, branches, feeds = [], [], []
     for r, (row, c) in enumerate(zip(rows, candidates)):
-        g = len(c)
-        known = g < len(row.tops) and row.tops[g] is not None
-        fanout = geometric_fanout(budget, alpha, g)
-        ranked = fanout if known else fanout[:g] + [0]
-        for o in predict_outcomes(c, row.tops[: g + 1], ranked, alpha, budget):
+        pk = None
+        if calibration is not None:
+            pk = hedged_length_probs(calibration, drafted_probs(c, row.tops[: len(c)]), priors[r])
+        outcomes, late = _outcomes(row, c, budget, alpha, pk)
+        for o in outcomes:
             if allowed(row, o):
                 sources.append((drafter.kv, r))
                 branches.append(Branch(r, o))
                 feeds.append(([o.bonus], [len(row.real) + o.accepted]))
         unread = _unread(row, c)
-        if not known and unread[0] and allowed(row, Outcome(g, -1)):
-            for rank in range(min(fanout[g], drafter.top_k)):
+        if late and unread[0] and allowed(row, Outcome(len(c), -1)):
+            for rank in range(min(late, drafter.top_k)):
                 sources.append((drafter.kv, r))
-                branches.append(Branch(r, Outcome(g, -1), rank=rank))
+                branches.append(Branch(r, Outcome(len(c), -1), rank=rank))
                 feeds.append(unread)
     if not branches or should_stop():
         return
@@ -146,6 +154,24 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         step_s = time.perf_counter() - t
         tree.steps.append((len(branches), step_s))
         ids, pos, nxt = chosen[:, None], nxt, nxt + 1
+
+
+def _outcomes(row, c: list[int], budget: int, alpha: float, pk: list[float] | None) -> tuple[list[Outcome], int]:
+    """A row's outcomes to pre-draft now, and how many late branches (k = g, bonus ranked by the first step) to
+    add when the draft has not read past its last candidate."""
+    g = len(c)
+    known = g < len(row.tops) and row.tops[g] is not None
+    if pk is None:
+        fanout = geometric_fanout(budget, alpha, g)
+        ranked = fanout if known else fanout[:g] + [0]
+        return predict_outcomes(c, row.tops[: g + 1], ranked, alpha, budget), 0 if known else fanout[g]
+    if not known and g == 0:
+        return [], budget  # nothing drafted: every branch is a bonus the first step ranks
+    tops = row.tops[: g + 1] if known else row.tops[:g] + [placeholder_top(row.tops[g - 1])]
+    outcomes = rank_outcomes(c, tops, pk, budget)
+    if known:
+        return outcomes, 0
+    return [o for o in outcomes if o.accepted < g], sum(o.accepted == g for o in outcomes)
 
 
 def _unread(row, candidates: list[int]) -> tuple[list[int], list[int]]:

@@ -64,6 +64,13 @@ def bonus_rank(top: TopProbs, rejected: int | None, bonus: int) -> int | None:
     return ids.index(bonus) if bonus in ids else None
 
 
+def placeholder_top(top: TopProbs) -> TopProbs:
+    """A top list with `top`'s probabilities and ids no token has: it sizes the k = g share of a job's budget
+    before the draft's distribution after the last candidate is known (its tokens fill that share once read)."""
+    values, ids = top
+    return values, -1 - torch.arange(len(ids))
+
+
 def _scored(candidates: list[int], tops: list[TopProbs], pk: list[float], k: int, limit: int):
     """(P(k, bonus), k, bonus) of the `limit` likeliest bonuses after k accepted."""
     rejected = candidates[k] if k < len(candidates) else None
