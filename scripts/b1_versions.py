@@ -49,16 +49,16 @@ def child(args) -> None:
     import torch
 
     import hf_ssd
-    from hf_ssd import SSDConfig
+    from hf_ssd import SSDConfig, integration
     from hf_ssd.models.pairs import load_default_pair
 
-    assert Path(hf_ssd.__file__).resolve().is_relative_to(Path(args.child).resolve()), hf_ssd.__file__
-    from hf_ssd.loop.assisted import SSDCandidateGenerator
-
-    if not hasattr(SSDCandidateGenerator, "num_drafting_tokens"):
+    for module in (hf_ssd, integration):  # a module the checkout lacks would come from the installed package
+        assert Path(module.__file__).resolve().is_relative_to(Path(args.child).resolve()), module.__file__
+    generator = integration.SSDCandidateGenerator  # the checkout's own, wherever its module lives
+    if not hasattr(generator, "num_drafting_tokens"):
         # A checkout older than transformers 5.25's support: its assisted loop reads this before the first round
         # (to size a hybrid cache's recording; the real pair's cache is not hybrid, so any bound serves).
-        SSDCandidateGenerator.num_drafting_tokens = 16
+        generator.num_drafting_tokens = 16
     torch.set_num_threads(args.threads)
     io = json.loads(Path(args.io).read_text())
     target, draft, _ = load_default_pair(progress=False)
