@@ -32,13 +32,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--old", help="a checkout of an older hf_ssd (its root: the folder holding hf_ssd/)")
+    p.add_argument("--old", help="a checkout of an older hf_ssd (its root: the folder holding hf_ssd/); without it, "
+                   "this checkout alone")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup-calls", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="pairs of children (old, new; then new, old; ...)")
     p.add_argument("--new-first", action="store_true", help="start with this checkout (new, old; then old, new)")
+    p.add_argument("--only", choices=("old", "new"), help="measure one checkout only")
+    p.add_argument("--verbose", action="store_true", help="per call: each method's seconds and SSD's stats summary")
     p.add_argument("--child", help=argparse.SUPPRESS)  # a checkout's root: run the measurement with it
     p.add_argument("--io", help=argparse.SUPPRESS)  # the child's prompts (in) and results (out), JSON
     return p.parse_args(argv)
@@ -80,12 +83,16 @@ def child(args) -> None:
     mismatches = 0
     for i, ids in enumerate(io["prompts"]):
         order = ("target", "ssd") if i % 2 == 0 else ("ssd", "target")
-        outs = {}
+        outs, times = {}, {}
         for method in order:
             outs[method], seconds = run(method, ids, args.max_new_tokens)
+            times[method] = seconds
             totals[method][0] += len(outs[method])
             totals[method][1] += seconds
         mismatches += outs["ssd"] != outs["target"]
+        if args.verbose:
+            print(f"  prompt {i}: target {times['target']:.2f}s, ssd {times['ssd']:.2f}s "
+                  f"({times['target'] / times['ssd']:.2f}x) | {hf_ssd.last_stats(target).summary()}", flush=True)
     io["result"] = {m: t / s for m, (t, s) in totals.items()} | {"mismatches": mismatches}
     Path(args.io).write_text(json.dumps(io))
 
@@ -95,8 +102,6 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    if not args.old:
-        raise SystemExit("--old PATH is required: a checkout of the older hf_ssd to compare with")
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
@@ -108,17 +113,19 @@ def main(argv=None) -> int:
     for spec, n in (("humaneval", args.prompts - args.prompts // 2), ("gsm", args.prompts // 2)):
         if n:
             encoded += [encode_prompt(row["prompt"], row["kind"], tok) for row in load_prompts(spec, n)[1]]
-    checkouts = {"old": str(Path(args.old).resolve()), "new": str(ROOT)}
+    checkouts = {"old": str(Path(args.old).resolve()) if args.old else None, "new": str(ROOT)}
     order = []
     for r in range(args.rounds):
         order += ["old", "new"] if (r % 2 == 0) != args.new_first else ["new", "old"]
+    if not args.old or args.only:  # one checkout alone
+        order = [n for n in order if n == (args.only or "new")]
     results: dict[str, list[dict]] = {"old": [], "new": []}
     for name in order:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"prompts": encoded}, f)
         cmd = [sys.executable, __file__, "--child", checkouts[name], "--io", f.name,
                "--max-new-tokens", str(args.max_new_tokens), "--warmup-calls", str(args.warmup_calls),
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads)] + (["--verbose"] if args.verbose else [])
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         subprocess.run(cmd, check=True, env=env)
         res = json.loads(Path(f.name).read_text())["result"]
@@ -130,10 +137,12 @@ def main(argv=None) -> int:
     print(f"\ncommand: python scripts/b1_versions.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"{args.prompts} prompts (HumanEval + GSM) x {args.max_new_tokens} new tokens, greedy, B = 1, "
           f"{args.threads} threads")
-    mean = {n: {m: sum(r[m] for r in rs) / len(rs) for m in ("target", "ssd")} for n, rs in results.items()}
-    for n in ("old", "new"):
+    mean = {n: {m: sum(r[m] for r in rs) / len(rs) for m in ("target", "ssd")} for n, rs in results.items() if rs}
+    for n in mean:
         print(f"  {n}: target {mean[n]['target']:.2f} tok/s, SSD {mean[n]['ssd']:.2f} tok/s, "
               f"SSD / target {mean[n]['ssd'] / mean[n]['target']:.2f}x")
+    if "old" not in mean:
+        return 0
     print(f"  new SSD / old SSD: {mean['new']['ssd'] / mean['old']['ssd']:.2f}x; new (SSD / target) over old "
           f"(SSD / target): {(mean['new']['ssd'] / mean['new']['target']) / (mean['old']['ssd'] / mean['old']['target']):.2f}x")
     return 0

@@ -31,7 +31,7 @@ import hf_ssd
 from hf_ssd import SSDConfig
 from hf_ssd.loop.batch import batch_options
 from hf_ssd.models.simulated import DeviceCost, simulate_device
-from hf_ssd.scheduling.costs import CostModel, estimates_of, reset_estimates
+from hf_ssd.scheduling.costs import CALL_PRIOR_ROUNDS, CostModel, estimates_of, reset_estimates
 from hf_ssd.scheduling.schedule import (
     CATCH_UP_TOKENS,
     WIDE_BUDGETS,
@@ -387,6 +387,76 @@ def test_warmup_runs_ar_until_learning_fits_its_budget():
     assert not Scheduler(config, drafted, options, default, inline=False, warmup_budget=0.03).warming
     assert not Scheduler(config, CostModel(False, 17, 0.7), [default], default, inline=False,
                          warmup_budget=0.03).warming
+
+
+def test_a_new_call_weighs_its_own_acceptance_and_records_the_last_calls():
+    """Calls differ: what earlier calls showed about acceptance keeps at most CALL_PRIOR_ROUNDS rounds' worth,
+    and each call's own acceptance (accepted / tried of its verified rounds) joins the history."""
+    c = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.7)
+    for _ in range(60):
+        c.add_verified([(4, 4, None)])
+    c.new_call()
+    assert c.positions[1] == pytest.approx(CALL_PRIOR_ROUNDS) and list(c.call_acceptances) == [1.0]
+    assert c.call_tried() == 0
+    for _ in range(3):  # this call's text is bad for the draft: its own rounds soon outweigh the past
+        c.add_verified([(0, 4, None)])
+    assert c.position_acceptance(1) < 0.5 and c.call_tried() == 3  # half the weight kept: 0.73
+    c.new_call()
+    c.new_call()  # a call that drafted nothing adds nothing
+    assert list(c.call_acceptances) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("history, tries", [([0.9, 0.95], True), ([0.05, 0.1, 0.0], False), ([], False)])
+def test_a_call_that_would_run_the_target_alone_drafts_once_when_past_calls_say_it_pays(history, tries):
+    """The estimates say AR (the calls before drafted badly, or this call's start repays no catch-up), yet a
+    call's acceptance is its own: the trial (one plain SD round) runs first when the recent calls'
+    acceptances make the time it saves on average exceed its worst-case cost; once a call, and not in a call
+    that has drafted."""
+    costs = fed_costs(0.8, 1.0, lambda b: 2.0, 0.05, lambda w: 0.25, RANKS)
+    costs.add_prefill(400, 4.0)
+    for _ in range(40):  # the last call: the draft was useless
+        costs.add_verified([(0, 4, None)])
+    costs.new_call()
+    costs.call_acceptances.clear()
+    costs.call_acceptances.extend(history)
+    config = SSDConfig(**QUIET)
+    scheduler = Scheduler(config, costs, allowed_options(config, "thread", 1), Option("ssd", 4, 1), inline=False)
+    scheduler.rng.random = lambda: 1.0  # no exploration
+    assert scheduler.best()[0].kind == "ar"
+    option, _, explored = scheduler.decide(400, 400, 200)
+    if not tries:
+        assert option.kind == "ar" and not explored and scheduler.trials == 0
+        return
+    assert (option, explored) == (scheduler.learning_rounds()[0], True) and option.kind == "sd"
+    assert scheduler.trial_cost(400, 400) > scheduler.trial_cost(400, 0) > 0  # reading the prompt costs
+    assert scheduler.decide(0, 401, 199)[0].kind == "ar"  # decided while the trial is verified
+    costs.add_verified([(0, 4, None)])  # the trial accepted nothing: back to AR, no second trial
+    assert [scheduler.decide(1, 402, 198)[0].kind for _ in range(5)] == ["ar"] * 5
+    assert scheduler.trials == 1
+    # A short call cannot repay the trial.
+    short = Scheduler(config, costs, allowed_options(config, "thread", 1), Option("ssd", 4, 1), inline=False)
+    short.rng.random = lambda: 1.0
+    costs.call_start = costs.totals  # a new call that has not drafted (without new_call's history entry)
+    assert short.decide(400, 400, 2)[0].kind == "ar" and short.trials == 0
+
+
+def test_fewer_threads_are_predicted_from_the_calls_own_curve_where_not_measured():
+    """AR rounds at one thread measure only a one-token verify; a 16-token verify at one thread is then the
+    call's own threads' measured time at the ratio seen for one token, not that token's time extended by a
+    prior slope, which rated SD on one thread faster than on two (on CPU cores it ran 1.5x slower)."""
+    costs = fed_costs(0.9, 0.33, lambda b: 0.5, 0.05, lambda w: 0.05, RANKS)
+    for n in range(0, 17):  # the call's threads: verifying n candidates
+        costs.add_verify(n, 0.33 if n == 0 else 0.6 + 0.01 * n, None)
+    for _ in range(5):
+        costs.add_verify(0, 0.34, None, threads=1)
+        costs.add_draft(16, 16 * 0.05, threads=1)
+    assert costs.verify(0, None, 1) == pytest.approx(0.34)  # measured
+    assert costs.verify(16, None, 1) == pytest.approx(costs.verify(16, None) * 0.34 / 0.33)
+    config = SSDConfig(**QUIET)
+    s = Scheduler(config, costs, allowed_options(config, "thread", 1), Option("ssd", 4, 1), inline=False)
+    assert s.predict(Option("sd", 8, threads=1)).rate < s.predict(Option("sd", 8)).rate
+    costs.add_verify(16, 0.5, None, threads=1)  # a length measured at one thread answers for itself
+    assert costs.verify(16, None, 1) == pytest.approx(0.5)
 
 
 def test_a_lagging_draft_is_caught_up_only_when_the_call_repays_it():

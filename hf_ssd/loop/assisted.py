@@ -29,7 +29,7 @@ from ..drafting.fallback import run_fallback
 from ..drafting.probe import step_seconds
 from ..drafting.static import make_drafter
 from ..scheduling.costs import CostModel
-from ..scheduling.schedule import CATCH_UP_TOKENS, LATE_GRACE, Option, Scheduler, allowed_options
+from ..scheduling.schedule import LATE_GRACE, Option, Scheduler, allowed_options
 from ..speculation.cache import Branch, SpeculationCache
 from ..speculation.depth import Parent, deeper_children, grown_children
 from ..speculation.fanout import geometric_fanout
@@ -44,6 +44,11 @@ from ..speculation.outcomes import (
 from ..speculation.predictor import calibration_for, drafted_probs, hedged_length_probs
 from ..speculation.speculator import Speculator
 from ..stats import SSDStats
+
+# Context tokens a drafting round finds unread beyond which the draft reads them before it drafts, timed apart (a
+# catch-up, after AR rounds or at a prompt). One or two are the round's accepted token and bonus: every round's
+# first draft step reads those.
+CATCH_UP_LAG = 2
 
 
 class LastRow(NamedTuple):
@@ -227,22 +232,27 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.stats.fallbacks[kind] = self.stats.fallbacks.get(kind, 0) + 1
                 self.costs.add_lookup(job_budget, False, self._job_predicted)
             lag = self._draft_lag(context)
+            drafting = kind in ("sd", "short") and n > 0
             d0 = time.perf_counter()
             with self.speculator.on_critical_path():
+                if drafting and lag > CATCH_UP_LAG:
+                    # The draft first reads what it lags (the prompt, AR rounds), timed apart: a catch-up is a
+                    # prefill. Timed with the steps, it kept a call's first drafting round, the one after AR
+                    # rounds, from measuring the draft's step at all.
+                    self.drafter.sync(context[:-1])
+                c1 = time.perf_counter()
                 result = run_fallback(
                     kind, self.drafter, context, n, short_n,
                     self.config.ngram_size, self._fanout(option.budget, gamma, alpha),
                     option.stop if option.kind == "sd" else 0.0,
                 )
             d1 = time.perf_counter()
-            if kind in ("sd", "short") and n > 0:
-                draft_seconds = d1 - d0
+            if drafting:
                 self.draft_intervals.append((d0, d1))
-                self.stats.fallback_draft_time += draft_seconds
-                if self.round > 0 and lag <= CATCH_UP_TOKENS:  # not a draft step's cost: the prompt, a catch-up
-                    self.costs.add_draft(len(result.tokens), draft_seconds, option.threads)
-                elif lag > CATCH_UP_TOKENS and not option.threads:  # mostly reading: what a catch-up costs
-                    self.costs.add_draft_prefill(lag, draft_seconds)
+                self.stats.fallback_draft_time += d1 - d0
+                self.costs.add_draft(len(result.tokens), d1 - c1, option.threads)
+                if c1 - d0 > 0 and not option.threads:
+                    self.costs.add_draft_prefill(lag - 1, c1 - d0)
             tokens, logits = result.tokens, result.logits
             event["hit"] = False
         tokens, logits = self._cut_at_eos(tokens, logits)

@@ -7,6 +7,7 @@ whose load changes. Nothing here affects what is proposed; it only informs the c
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -22,6 +23,10 @@ POSITION_PRIOR = 2.0
 CONFIDENCE_BINS = 20
 CONFIDENCE_DECAY = 0.97
 NEW_CALL_KEEP = 0.5  # weight of earlier calls' acceptance statistics when a new call starts
+# ... at most this many rounds' worth (position 1's count): prompts differ (the real pair on HumanEval + GSM
+# prompts: 0% to 89% per call), so a call's own first drafted rounds must outweigh what the calls before showed.
+CALL_PRIOR_ROUNDS = 2.0
+CALL_HISTORY = 16  # calls whose own acceptance `call_acceptances` keeps (schedule.Scheduler.trial_pays)
 MISS_PRIOR = 2.0  # predicted misses a budget's own miss ratio needs to outweigh the pooled one
 STATE_FORMAT = 1  # of `CostModel.state_dict()`; a saved state of another format is not loaded
 
@@ -229,6 +234,11 @@ class CostModel:
         self.expected_misses: dict[int, float] = {}
         self.accepted = initial_acceptance * 4.0
         self.tried = 4.0
+        # Undecayed totals (accepted, tried) and their values when the running call started: each call's own
+        # acceptance joins `call_acceptances` when the next one starts.
+        self.totals = (0.0, 0.0)
+        self.call_start = (0.0, 0.0)
+        self.call_acceptances: collections.deque = collections.deque(maxlen=CALL_HISTORY)
         self.positions = [0.0] * (MAX_POSITION + 1)  # index j: rounds that tried position j (1-based)
         self.positions_accepted = [0.0] * (MAX_POSITION + 1)
         self.confidence_seen = [0.0] * CONFIDENCE_BINS
@@ -259,13 +269,22 @@ class CostModel:
     @_locked
     def new_call(self, keep: float = NEW_CALL_KEEP) -> None:
         """A new generate call is new text: what earlier calls showed about acceptance (scalar, per position,
-        by confidence) keeps only `keep` of its weight, so the new prompt's rounds soon dominate. Costs (times)
-        are properties of the machine and keep theirs."""
+        by confidence) keeps only `keep` of its weight, the first two at most CALL_PRIOR_ROUNDS rounds' worth,
+        so the new prompt's rounds soon dominate. Costs (times) are properties of the machine and keep theirs.
+        The call before's own acceptance joins `call_acceptances`."""
+        tried = self.totals[1] - self.call_start[1]
+        if tried > 0:
+            self.call_acceptances.append((self.totals[0] - self.call_start[0]) / tried)
+        self.call_start = self.totals
+        # P(accept | the draft's confidence) is the draft's calibration, less a property of the text: it keeps
+        # `keep` of its weight.
+        self.confidence_seen = [keep * c for c in self.confidence_seen]
+        self.confidence_accepted = [keep * c for c in self.confidence_accepted]
+        if self.positions[1] > 0:
+            keep = min(keep, CALL_PRIOR_ROUNDS / self.positions[1])
         self.accepted, self.tried = keep * self.accepted, keep * self.tried
         self.positions = [keep * c for c in self.positions]
         self.positions_accepted = [keep * c for c in self.positions_accepted]
-        self.confidence_seen = [keep * c for c in self.confidence_seen]
-        self.confidence_accepted = [keep * c for c in self.confidence_accepted]
 
     @_locked
     def add_verified(self, rows: list[tuple[int, int, bool | None]], by_position: bool = True) -> None:
@@ -286,6 +305,7 @@ class CostModel:
         for accepted, proposed, _ in rows:
             self.accepted += accepted
             self.tried += min(proposed, accepted + 1)
+            self.totals = (self.totals[0] + accepted, self.totals[1] + min(proposed, accepted + 1))
         if not by_position:
             return
         d = POSITION_DECAY
@@ -409,6 +429,10 @@ class CostModel:
     def add_round(self, seconds: float = 0.0) -> None:
         self.rounds_seen += 1
         self.work_s += seconds
+
+    def call_tried(self) -> float:
+        """Drafted tokens verified since the running call started (`add_verified`'s `tried`)."""
+        return self.totals[1] - self.call_start[1]
 
     @property
     def drafted(self) -> bool:
@@ -543,10 +567,18 @@ class CostModel:
         return self.memoized(("d", n), lambda: self.draft.predict(n))
 
     def verify(self, n: int, budget: int | None, threads: int = 0) -> float | None:
+        alone = self.verify_alone.predict(n)
         if threads:
             fit = self.verify_alone_with.get(threads)
-            return fit.predict(n) if fit is not None else None
-        alone = self.verify_alone.predict(n)
+            if fit is None or not fit.points or n in fit.points or alone is None:
+                return fit.predict(n) if fit is not None else None
+            # A length not measured at this thread count: the call's own threads' curve, at the ratio measured
+            # at the nearest length. Its line would extrapolate AR steps (the rounds that run while the draft
+            # lags) by a prior slope, and on CPU cores verifying 16 tokens on one thread costs far more than that
+            # slope says: SD on one thread looked faster than on two and ran 1.5x slower (the real pair).
+            near = min(fit.points, key=lambda x: abs(x - n))
+            base = self.verify_alone.predict(near)
+            return fit.predict(n) if not base else alone * fit.points[near].value / base
         if budget is None:
             if alone is None:  # only overlapped rounds seen: the cheapest of them bounds it from above
                 seen = [f.predict(n) for f in self.verify_overlapped.values() if f.count]
@@ -609,6 +641,7 @@ class CostModel:
             "rounds_seen": self.rounds_seen,
             "plain_step": self.plain_step.state_dict(), "loop_speedup": self.loop_speedup.state_dict(),
             "draft_prefill": self.draft_prefill.state_dict(), "prefill": self.prefill.state_dict(),
+            "call_acceptances": list(self.call_acceptances),
             # Options are frozen dataclasses (schedule.Option): saved by their fields.
             "outcomes": [[dataclasses.asdict(o), list(v)] for o, v in self.outcomes.items()
                          if dataclasses.is_dataclass(o)],
@@ -663,6 +696,8 @@ class CostModel:
                 "prefill": fit(state.get("prefill", LinearFit(_proportional).state_dict()),
                                lambda: LinearFit(_proportional)),
                 "outcomes": {Option(**o): _nums(v, 5) for o, v in state["outcomes"]},
+                "call_acceptances": collections.deque(
+                    (_num(a) for a in state.get("call_acceptances", [])[-CALL_HISTORY:]), maxlen=CALL_HISTORY),
             }
             if new["tried"] <= 0 or new["rounds_seen"] < 0:
                 raise ValueError("no acceptance counts")

@@ -173,6 +173,8 @@ class Scheduler:
         self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 and not self.warming else []
         self._learning = self.learning_rounds()  # once: each warm-up decision prices them
         self._after_trial: list[Option] = []  # the learning rounds that run only if the trial round pays
+        self._trial_considered = False  # a call's trial (`trial_pays`): considered once, at the first AR decision
+        self.trials = 0
 
     def first_rounds(self, every_family: bool = False) -> list[Option]:
         """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
@@ -210,19 +212,48 @@ class Scheduler:
         return head + [o for o in self.first_rounds() if o.kind != "ar"]
 
     def warmup_cost(self, context: int) -> float | None:
-        """Seconds that learning whether drafting pays would cost at worst, from what the warm-up measured: the
-        draft reading `context` tokens (the target's prefill of them at the draft's share of its parameters),
-        then the trial round (the first of `learning_rounds`) accepting nothing: drafting its gamma (a step as the
-        draft's probe timed it) and making the target verify that many more tokens (at what its prefill cost
-        beyond one AR step, per further token). The other learning rounds run only if the trial shows drafting
-        paying (`decide`). None until the target's prefill and an AR step are measured."""
+        """Seconds that learning whether drafting pays would cost at worst (`trial_cost` with the whole context
+        unread). The other learning rounds run only if the trial shows drafting paying (`decide`)."""
+        return self.trial_cost(context, context)
+
+    def trial_cost(self, context: int, lag: int) -> float | None:
+        """Seconds the trial round (the first of `learning_rounds`) costs at worst, from what has been measured:
+        the draft reading the `lag` context tokens it has not read (as `catch_up`), then drafting the trial's
+        gamma (a step as the draft's probe timed it) and the target verifying that many more tokens (at what its
+        prefill of `context` tokens cost beyond one AR step, per further token), all of them rejected. None
+        until the target's prefill and an AR step are measured."""
         c = self.costs
-        t_ar, prefill, read = c.verify(0, None), c.prefill.predict(max(1, context)), self.catch_up(context)
-        if t_ar is None or prefill is None or read is None:
+        t_ar, prefill = c.verify(0, None), c.prefill.predict(max(1, context))
+        read = self.catch_up(lag) if lag > 0 else 0.0
+        if t_ar is None or prefill is None or read is None or not self._learning:
             return None
         step = c.draft_step_hint if c.draft_step_hint is not None else c.draft_share * t_ar
         per_token = max(0.0, prefill - t_ar) / max(1, context - 1)
-        return read + self._learning[0].gamma * (step + per_token) if self._learning else None
+        return read + self._learning[0].gamma * (step + per_token)
+
+    def trial_pays(self, context: int, lag: int, remaining: int, predictions: dict, ar) -> bool:
+        """Whether a call about to run the target alone before drafting once should draft once (the trial).
+
+        Its acceptance is unknown: calls differ (the real pair: 0% to 89% on HumanEval + GSM prompts), and what
+        the calls before showed weighs little (costs.CALL_PRIOR_ROUNDS). The trial pays when the time it saves
+        on average over the recent calls' acceptances (`CostModel.call_acceptances`; at each, the best drafting
+        option's predicted rate against AR's over the `remaining` tokens, or nothing where AR is faster) exceeds
+        its worst-case cost (`trial_cost`): a pair whose calls all drafted badly keeps the target alone, and
+        a pair some of whose calls drafted well tries each call."""
+        history = list(self.costs.call_acceptances)
+        cost = self.trial_cost(context, lag)
+        if not history or cost is None or ar is None or remaining <= 0:
+            return False
+        # The trial option and the drafting options the model ranked best (its last full pass).
+        ranked = sorted((o for o, p in predictions.items() if p is not None and o.kind != "ar"),
+                        key=lambda o: -predictions[o].rate)
+        drafting = list(dict.fromkeys([self._learning[0]] + ranked[:SHORTLIST]))
+        saved = 0.0
+        for a in history:
+            rates = [p.rate for p in (self.predict(o, a) for o in drafting) if p is not None]
+            if rates:
+                saved += max(0.0, remaining / ar.rate - remaining / max(rates))
+        return saved / len(history) > cost
 
     def catch_up(self, tokens: int) -> float | None:
         """Seconds for the draft to read `tokens` it lags: its measured catch-ups, else the target's measured prefill
@@ -438,6 +469,14 @@ class Scheduler:
             read = self.catch_up(draft_lag)
             if read is not None and remaining / ar.rate <= read + remaining / pred.rate:
                 best, pred = AR, ar
+        if best.kind == "ar" and not self._trial_considered:
+            # Once a call: the target alone is best by what the calls before showed, but not by this one.
+            self._trial_considered = True
+            if self.costs.call_tried() == 0 and self.trial_pays(context, draft_lag, remaining, predictions, ar):
+                self.trials += 1
+                self._queue = [AR]  # decided while the trial is verified; then the model, with its outcome
+                trial = self._learning[0]
+                return trial, predictions.get(trial) or self.predict(trial), True
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
         # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.
         epsilon = max(EXPLORE_MIN, EXPLORE / math.sqrt(max(1.0, self.costs.rounds_seen / 25)))
