@@ -518,6 +518,30 @@ def test_second_call_starts_informed_and_stats_report_the_schedule(target, draft
     assert abs(sum(s for _, _, s in second.option_shares()) - 1.0) < 1e-9
 
 
+def test_a_drafting_round_after_ar_rounds_times_the_catch_up_apart_from_its_draft_steps(target, draft, monkeypatch):
+    """Rounds of AR, then plain SD: the first SD round reads the unread context (a catch-up, `draft_prefill`)
+    before drafting, and its draft steps are measured too (timed together, such a round measured no step)."""
+    reset_estimates(target)
+    decisions = []
+
+    def decide(self, *lag_context_remaining):
+        decisions.append(lag_context_remaining[0])
+        option = Option("ar") if len(decisions) <= 6 else Option("sd", 3)
+        return option, None, False
+
+    monkeypatch.setattr(Scheduler, "decide", decide)
+    prompt = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                          ssd_config=SSDConfig(**QUIET))
+    ref = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+    [(_, costs)] = estimates_of(target, draft)
+    assert decisions[6] > 2  # the draft lagged the context when the first SD round was decided
+    assert costs.draft_prefill.count == 1  # the catch-up, once
+    assert costs.draft.count >= 2  # every SD round's steps, the first one's included
+    reset_estimates(target)
+
+
 def test_hit_rate_warning_says_what_the_scheduler_did(target, random_draft, caplog, monkeypatch):
     force(monkeypatch, pick("ssd", 1))
     prompt = torch.tensor([[3, 4, 5, 6]])

@@ -233,9 +233,10 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.costs.add_lookup(job_budget, False, self._job_predicted)
             lag = self._draft_lag(context)
             drafting = kind in ("sd", "short") and n > 0
+            catch_up = drafting and lag > CATCH_UP_LAG
             d0 = time.perf_counter()
             with self.speculator.on_critical_path():
-                if drafting and lag > CATCH_UP_LAG:
+                if catch_up:
                     # The draft first reads what it lags (the prompt, AR rounds), timed apart: a catch-up is a
                     # prefill. Timed with the steps, it kept a call's first drafting round, the one after AR
                     # rounds, from measuring the draft's step at all.
@@ -251,7 +252,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.draft_intervals.append((d0, d1))
                 self.stats.fallback_draft_time += d1 - d0
                 self.costs.add_draft(len(result.tokens), d1 - c1, option.threads)
-                if c1 - d0 > 0 and not option.threads:
+                if catch_up and not option.threads:
                     self.costs.add_draft_prefill(lag - 1, c1 - d0)
             tokens, logits = result.tokens, result.logits
             event["hit"] = False
