@@ -13,7 +13,8 @@ warms each method up with --warmup-calls (2) calls of 16 tokens, then runs every
 and with `SSDConfig()`, alternating which goes first (A B, B A, ...), greedy, --max-new-tokens (64) each, 2
 torch threads. Every SSD output is compared with the target's (greedy: they must be identical). Reported per
 child: tok/s of each method (all new tokens / all calls' wall time) and SSD / target; then this checkout's SSD
-tok/s over the old one's.
+tok/s over the old one's. --verbose: per prompt, both methods' seconds and SSD's stats summary (which options
+ran); --only old|new (or no --old): one checkout alone.
 """
 
 from __future__ import annotations
