@@ -249,8 +249,9 @@ class SSDCandidateGenerator(CandidateGenerator):
                 )
             d1 = time.perf_counter()
             if drafting:
+                draft_seconds = d1 - d0  # not a job's overhead (below)
                 self.draft_intervals.append((d0, d1))
-                self.stats.fallback_draft_time += d1 - d0
+                self.stats.fallback_draft_time += draft_seconds
                 self.costs.add_draft(len(result.tokens), d1 - c1, option.threads)
                 if catch_up and not option.threads:
                     self.costs.add_draft_prefill(lag - 1, c1 - d0)
