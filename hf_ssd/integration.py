@@ -139,10 +139,13 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     _validate_call(model, draft, args, kwargs)
     layout = resolve_layout(config.layout, model, draft)
     rows = _batch_size(args, kwargs)
-    if rows > 1:
+    # One prompt runs transformers' assisted loop with hf_ssd's candidate generator, which still serves settings
+    # the batch loop lacks; the `loop` hook sends it through the batch loop (tests and benchmarks of that path).
+    batch_path = rows > 1 or (hooks or {}).get("loop") == "batch"
+    if batch_path:
         _check_batch_config(config, rows)
     probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
-    if rows > 1:
+    if batch_path:
         return _batched_generate(model, draft, config, args, kwargs, start, layout, hooks)
     call = {"model": model, "config": config, "layout": layout, "hooks": hooks, "generator": None,
             "cpu_threads": None}

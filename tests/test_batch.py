@@ -77,6 +77,8 @@ def assert_rows_exact(target, draft, ids, mask, name, batched_reference: bool = 
     False: eager attention, whose own padded batches compute NaN states for padding and so garbage for padded
     rows; hf_ssd prefills each row alone and stays exact there.)"""
     config, hooks = CONFIGS[name]
+    if ids.shape[0] == 1:  # one prompt runs the assisted loop unless sent through the batch loop
+        hooks = {**(hooks or {}), "loop": "batch"}
     out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
                           ssd_config=config, _ssd_hooks=hooks, **kw)
     if batched_reference:
@@ -93,19 +95,25 @@ def assert_rows_exact(target, draft, ids, mask, name, batched_reference: bool = 
     return hf_ssd.last_stats(target)
 
 
-@pytest.mark.parametrize("b", [2, 3, 8, 16])
+@pytest.mark.parametrize("b", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_rows_identical_to_target(pair, b, name):
+    """b = 1: a batch of one through the batch loop (the `loop` hook), which every batch size is to run."""
     target, close, noisy = pair
+    hits = misses = 0
     for seed, draft in enumerate((close, noisy)):
         ids, mask = padded_batch(lengths_for(b, seed), seed)
         stats = assert_rows_exact(target, draft, ids, mask, name)
         assert stats.batch_size == b and len(stats.rows) == b
         assert stats.new_tokens == sum(r["new_tokens"] for r in stats.rows) == b * NEW
         if name != "auto":
-            assert stats.proposed_tokens > 0 and 0 < stats.accepted_tokens < stats.proposed_tokens
-        if name.startswith("ssd") and "thread" not in name and draft is close:
-            assert stats.cache_hits > 0 and stats.cache_misses > 0, (stats.cache_hits, stats.cache_misses)
+            assert stats.proposed_tokens > 0 and 0 < stats.accepted_tokens <= stats.proposed_tokens
+            # Rejections exercised: by the noisy draft (one row may keep all of the close draft's candidates).
+            assert draft is close or stats.accepted_tokens < stats.proposed_tokens
+        if name.startswith("ssd") and "thread" not in name:
+            hits, misses = hits + stats.cache_hits, misses + stats.cache_misses
+    if name.startswith("ssd") and "thread" not in name:
+        assert hits > 0 and misses > 0, (hits, misses)
 
 
 def test_rows_ending_early_at_eos(pair):
@@ -438,6 +446,49 @@ def test_an_early_plain_verdict_is_tried_again_sooner_than_a_judged_one():
     costs.add_loop_call(0.5, 1.0, 50, loop.VERDICT_MIN_STEPS)  # a whole call judged: the loop at 0.5x plain
     judged = [plain for plain in (plan.plain(rows, 64) for _ in range(loop.PLAIN_REFRESH + 1))]
     assert judged == [True] * loop.PLAIN_REFRESH + [False]
+
+
+@pytest.mark.parametrize("tokens, condemned", [(6, True), (11, False)])
+def test_an_early_verdict_wants_the_loop_faster_than_plain_by_a_margin(tokens, condemned):
+    """Before the whole-call verdict the loop's measured rounds must beat plain's step by EARLY_MARGIN: rounds
+    measured 5% faster than plain (6 tokens a row in 0.05 s, shrunk to 105 a second) condemn the loop; 30%
+    faster (11 tokens: 130 a second) do not."""
+    from hf_ssd.scheduling.schedule import Option, Prediction
+
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    draft = noisy_copy(target, 0.02)
+    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    costs = plan.scheduler(4).costs
+    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
+    costs.add_round()
+    costs.add_round_outcome(Option("sd", 3), tokens, 0.05, Prediction(tokens=4.0, seconds=0.01))
+    assert costs.measured_rate(Option("sd", 3), toward=100) == pytest.approx((tokens + 15) / 0.2)
+    assert plan._condemned_early(4, 100, 64) is condemned
+
+
+def test_a_larger_batch_keeps_the_plain_verdict_of_the_nearest_smaller_size():
+    """A size whose own rounds would leave the call to the loop runs plain when the largest smaller size with a
+    verdict chose plain (there an early one: its rounds condemned the loop), and refreshes that as rarely as a
+    judged verdict; where the smaller size chose the loop, the size's own rounds decide."""
+    from hf_ssd.scheduling.schedule import Option, Prediction
+
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    draft = noisy_copy(target, 0.02)
+    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    small, large = plan.scheduler(8).costs, plan.scheduler(16).costs
+    fast = Prediction(tokens=4.0, seconds=0.01)
+    for costs, tokens in ((small, 2), (large, 30)):  # 8 rows: 40 a row per second; 16 rows: 300 a second
+        costs.add_plain_step(0.01)
+        costs.add_round()
+        costs.add_round_outcome(Option("sd", 3), tokens, 0.05 if costs is small else 0.1, fast)
+    rows8 = loop._rows(torch.ones(8, 8, dtype=torch.long), None)
+    rows16 = loop._rows(torch.ones(16, 8, dtype=torch.long), None)
+    assert not plan._condemned_early(16, 128, 64)  # alone, 16 rows would run the loop
+    assert plan.plain(rows8, 64) and small.plain_verdict is True  # 8 rows: condemned early
+    calls = [plan.plain(rows16, 64) for _ in range(loop.PLAIN_REFRESH + 1)]
+    assert calls == [True] * loop.PLAIN_REFRESH + [False]
+    small.plain_verdict = False  # the smaller size chose the loop: the size's own rounds decide
+    assert not plan.plain(rows16, 64)
 
 
 def test_plain_decoding_is_not_chosen_where_drafting_pays():

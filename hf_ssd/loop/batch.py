@@ -55,6 +55,10 @@ BATCH_BRANCHES = 128
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
 EARLY_REFRESH = 2  # the same while the plain verdict is an early one (no whole loop call judged at the size yet)
 INFORMED_ROUNDS = 50  # rounds a smaller size's estimates need before a shrinking batch's rounds use them
+# Before its whole-call verdict the loop must beat plain decoding by this factor in the rounds measured: a round's
+# rate misses what a whole call pays (rows that end early leave rounds of few rows; the job beside the prompt
+# prefill). Real pair, B = 8: rounds measured 1.0-1.05x plain's rate, and the 64-token loop calls ran 0.75-0.87x.
+EARLY_MARGIN = 1.1
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
 
@@ -172,7 +176,7 @@ class BatchPlan:
         hf_ssd) and measures its steps; the next runs the loop and measures its speedup over them; later calls
         compare plain's time for the call with the loop's (the draft's prompt prefill, then plain's time over the
         speedup). Before the loop is measured at a size, the nearest smaller measured size's verdict holds if it
-        is plain (adding rows only makes a verify more compute-bound). Every PLAIN_REFRESH-th plain call in a row
+        is plain (adding rows only makes a verify more compute-bound; `_smaller_says_plain`). Every PLAIN_REFRESH-th plain call in a row
         runs the loop anyway, so that its measured speedup follows the machine."""
         if Option("ar") not in self.options:
             return False
@@ -182,14 +186,12 @@ class BatchPlan:
         with costs.lock:
             plain = _plain_wins(costs, prompt, new_tokens)
             judged = plain is not None
-            if not judged:
-                plain = costs.plain_step.count == 0  # a new size: plain first, measured
-                nearest = None if plain else self._nearest_smaller(size)
-                if nearest is not None:
-                    at, other = nearest
-                    with other.lock:
-                        plain = bool(_plain_wins(other, prompt * at // size, new_tokens))
-                plain = plain or self._condemned_early(len(rows), prompt, new_tokens)
+            if not judged and costs.plain_step.count == 0:
+                plain = True  # a new size: plain first, measured
+            elif not judged:
+                judged = self._smaller_says_plain(size, prompt, new_tokens)
+                plain = judged or self._condemned_early(len(rows), prompt, new_tokens)
+                costs.plain_verdict = plain
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
             # An early verdict rests on a few rounds (a warm-up call's, perhaps slowed), and plain calls measure
             # no loop rounds to revise it: it is tried again sooner than a judged one (real pair, B = 2: a warm-up
@@ -197,6 +199,20 @@ class BatchPlan:
             if costs.plain_streak > (PLAIN_REFRESH if judged else EARLY_REFRESH):
                 costs.plain_streak, plain = 0, False
         return plain
+
+    def _smaller_says_plain(self, size: int, prompt_tokens: int, new_tokens: int) -> bool:
+        """Whether the largest smaller size with a verdict (its whole loop calls judged, or else its early one)
+        chose plain decoding: adding rows only makes a verify more compute-bound. Its refresh is then as rare as
+        a judged verdict's (real pair: B = 8 condemned the loop early, and B = 16, left to the rounds of its one
+        16-token loop call, ran a 64-token loop call at 0.86x plain)."""
+        nearest = self._nearest_smaller(size)
+        if nearest is None:
+            return False
+        at, other = nearest
+        with other.lock:
+            if other.loop_speedup.count:
+                return bool(_plain_wins(other, prompt_tokens * at // size, new_tokens))
+            return bool(other.plain_verdict)
 
     def _condemned_early(self, rows: int, prompt_tokens: int, new_tokens: int) -> bool:
         """Before the loop's speedup is judged at this size: whether the loop rounds measured so far show that a
@@ -207,7 +223,8 @@ class BatchPlan:
         for VERDICT_MIN_STEPS chosen steps: a size's first loop call explores every option family and chooses
         none, and on the real pair at B = 8 the next loop call ran 0.7-0.87x plain's speed (the draft's prefill
         of 8 prompts took an eighth of plain's decoding time there, and the best one-round option rate was 1.35x
-        plain's). (The model alone is optimistic on CPU cores: it misses the rows that end early.)"""
+        plain's). (The model alone is optimistic on CPU cores: it misses the rows that end early.) The loop must
+        win by EARLY_MARGIN."""
         scheduler = self.scheduler(rows)
         costs = scheduler.costs
         step = costs.plain_step.value
@@ -217,7 +234,7 @@ class BatchPlan:
         prefill_s = costs.draft_prefill.predict(prompt_tokens) or 0.0
 
         def slower(rate: float) -> bool:  # tokens a row per second
-            return rate <= 0 or prefill_s + steps / rate >= steps * step
+            return rate <= 0 or (prefill_s + steps / rate) * EARLY_MARGIN >= steps * step
 
         # Each option's rate shrunk towards plain's (drafting gains nothing): a size's first loop call runs most
         # options for a round or two, and the best of a dozen one-round rates is a lucky one.
@@ -230,9 +247,10 @@ class BatchPlan:
         return best is not None and slower(best.rate)
 
     def _nearest_smaller(self, size: int) -> tuple[int, object] | None:
-        """(batch size, CostModel) of this pair's estimates with a measured loop call at the largest size of
-        2 .. size / 2, or None."""
-        found = [(s, c) for s, c in self._sizes().items() if 2 <= s <= size // 2 and c.loop_speedup.count]
+        """(batch size, CostModel) of this pair's estimates with a verdict (a judged loop call, or an early
+        verdict) at the largest size of 2 .. size / 2, or None."""
+        found = [(s, c) for s, c in self._sizes().items()
+                 if 2 <= s <= size // 2 and (c.loop_speedup.count or c.plain_verdict is not None)]
         return max(found, key=lambda x: x[0], default=None)
 
     def _sizes(self) -> dict[int, object]:

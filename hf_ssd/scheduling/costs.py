@@ -211,7 +211,7 @@ class CostModel:
       `plain_step`) over the loop's time after the prefill, judged once loop calls add up to enough chosen steps
       (`loop_pending`: plain's seconds, the loop's and the steps of calls not yet judged);
       `draft_prefill(tokens)`, the draft's prompt prefill, which plain decoding never pays; `plain_streak`, plain
-      calls in a row.
+      calls in a row; `plain_verdict`, the last verdict made before the loop was judged at the size.
     """
 
     def __init__(self, on_gpu: bool, top_k: int, initial_acceptance: float):
@@ -248,6 +248,7 @@ class CostModel:
         self.loop_speedup = Ewma(decay=0.7)
         self.draft_prefill = LinearFit(_proportional)
         self.plain_streak = 0
+        self.plain_verdict: bool | None = None  # the last early verdict (loop/batch.py `BatchPlan.plain`)
         self.loop_pending = (0.0, 0.0, 0.0)
         # The warm-up (schedule.Scheduler.warmup_fits): the target's prompt prefill by tokens, the seconds of
         # rounds run on this pair, and, until the draft's own costs are measured, its cost per token read as a
