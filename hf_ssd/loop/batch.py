@@ -57,7 +57,7 @@ EARLY_REFRESH = 2  # the same while the plain verdict is an early one (no whole 
 INFORMED_ROUNDS = 50  # rounds a smaller size's estimates need before a shrinking batch's rounds use them
 # Before its whole-call verdict the loop must beat plain decoding by this factor in the rounds measured: a round's
 # rate misses what a whole call pays (rows that end early leave rounds of few rows; the job beside the prompt
-# prefill). Real pair, B = 8: rounds measured 1.0-1.05x plain's rate, and the 64-token loop calls ran 0.75-0.87x.
+# prefill). Real pair, B = 8: a warm-up's rounds measured 1.06-1.09x plain's rate; 64-token loop calls ran 0.7-0.92x.
 EARLY_MARGIN = 1.1
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
