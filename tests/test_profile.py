@@ -78,10 +78,10 @@ def test_state_round_trip_reproduces_estimates_and_decisions(pair, profiles_on):
     assert state["verify_alone"]["points"] and state["tree_step"]["points"] and state["outcomes"]
     assert state["rounds_seen"] > 0
     # Every estimate of a CostModel is in the state (an estimate added later without it fails here).
-    # plain_streak: a count of calls; work_s: this process's decode time (its warm-up); draft_share and
+    # plain_streak: a count of calls; plain_verdict: this process's early verdict from its own few rounds; work_s: this process's decode time (its warm-up); draft_share and
     # draft_step_hint: set from the models in each process (parameter counts, the draft's probe); totals and
     # call_start: this process's acceptance counts (each call's own, `call_acceptances`).
-    constants = {"lock", "_memo", "rank_decay", "plain_streak", "loop_pending", "work_s", "draft_share", "draft_step_hint",
+    constants = {"lock", "_memo", "rank_decay", "plain_streak", "plain_verdict", "loop_pending", "work_s", "draft_share", "draft_step_hint",
                  "totals", "call_start"}
     assert set(vars(CostModel(False, 9, 0.7))) - constants <= set(state)
 
