@@ -56,8 +56,9 @@ def soak(target, draft, calls: int, bounded_cache) -> None:
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("needs /proc/self/statm to measure resident memory")
     references = [target.generate(p, max_new_tokens=NEW, do_sample=False) for p in PROMPTS]
-    # A small cache under a larger fan-out budget: the cache fills up, so the bound is really exercised.
-    config = SSDConfig(gamma=4, fanout_budget=8, max_outcomes=8, cache_size=3, hit_rate_warning=0.0)
+    # A small cache under a larger fan-out budget: the cache fills up, so the bound is really exercised (a fixed
+    # schedule: SSD every round; the auto scheduler may run SD on these cores and leave the cache unfilled).
+    config = SSDConfig(gamma=4, fanout_budget=8, max_outcomes=8, cache_size=3, schedule="fixed", hit_rate_warning=0.0)
 
     def call(i):
         return target.generate(PROMPTS[i % len(PROMPTS)], assistant_model=draft, max_new_tokens=NEW,
