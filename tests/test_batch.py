@@ -397,6 +397,12 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
     assert set(paths[1:-1]) == {"batched"}, paths
 
 
+def fresh_plan() -> loop.BatchPlan:
+    """A batch plan over a new tiny pair: estimates of its own, as a program's first batched calls have."""
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    return loop.BatchPlan(target, noisy_copy(target, 0.02), SSDConfig(), False, "thread", {}, top_k=17)
+
+
 def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_verdict():
     """Before the whole-call verdict, the loop's measured rounds decide plain when none of its drafting options
     ran faster than plain's measured step (tokens a row per second), whatever the per-round model predicts
@@ -404,9 +410,7 @@ def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_ve
     prompt prefill (measured) would eat its gain over the call's new tokens."""
     from hf_ssd.scheduling.schedule import Option, Prediction
 
-    target = hf_ssd.enable(make_model(0, attn="sdpa"))
-    draft = noisy_copy(target, 0.02)
-    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    plan = fresh_plan()
     costs = plan.scheduler(4).costs
     costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
     costs.add_round()
@@ -433,9 +437,7 @@ def test_an_early_plain_verdict_is_tried_again_sooner_than_a_judged_one():
     judged verdict (a whole loop call slower than plain) keeps plain for PLAIN_REFRESH calls."""
     from hf_ssd.scheduling.schedule import Option, Prediction
 
-    target = hf_ssd.enable(make_model(0, attn="sdpa"))
-    draft = noisy_copy(target, 0.02)
-    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    plan = fresh_plan()
     costs = plan.scheduler(4).costs
     costs.add_plain_step(0.01)
     costs.add_round()
@@ -455,9 +457,7 @@ def test_an_early_verdict_wants_the_loop_faster_than_plain_by_a_margin(tokens, c
     faster (11 tokens: 130 a second) do not."""
     from hf_ssd.scheduling.schedule import Option, Prediction
 
-    target = hf_ssd.enable(make_model(0, attn="sdpa"))
-    draft = noisy_copy(target, 0.02)
-    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    plan = fresh_plan()
     costs = plan.scheduler(4).costs
     costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
     costs.add_round()
@@ -472,9 +472,7 @@ def test_a_larger_batch_keeps_the_plain_verdict_of_the_nearest_smaller_size():
     judged verdict; where the smaller size chose the loop, the size's own rounds decide."""
     from hf_ssd.scheduling.schedule import Option, Prediction
 
-    target = hf_ssd.enable(make_model(0, attn="sdpa"))
-    draft = noisy_copy(target, 0.02)
-    plan = loop.BatchPlan(target, draft, SSDConfig(), False, "thread", {}, top_k=17)
+    plan = fresh_plan()
     small, large = plan.scheduler(8).costs, plan.scheduler(16).costs
     fast = Prediction(tokens=4.0, seconds=0.01)
     for costs, tokens in ((small, 2), (large, 30)):  # 8 rows: 40 a row per second; 16 rows: 300 a second
