@@ -136,12 +136,12 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     config.validate()
     draft = kwargs.get("assistant_model")
     hooks = kwargs.pop("_ssd_hooks", None)
-    _validate_call(model, draft, args, kwargs)
-    layout = resolve_layout(config.layout, model, draft)
     rows = _batch_size(args, kwargs)
     # One prompt runs transformers' assisted loop with hf_ssd's candidate generator, which still serves settings
     # the batch loop lacks; the `loop` hook sends it through the batch loop (tests and benchmarks of that path).
     batch_path = rows > 1 or (hooks or {}).get("loop") == "batch"
+    _validate_call(model, draft, args, kwargs, batch_path)
+    layout = resolve_layout(config.layout, model, draft)
     if batch_path:
         _check_batch_config(config, rows)
     probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
@@ -202,8 +202,9 @@ def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: floa
     inputs, processors and stopping criteria, and the loop runs AR or plain SD rounds over all rows."""
     stats = SSDStats(layout="batch", schedule=config.schedule, draft_path="batched")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "assistant_tokenizer")}
+    # transformers hands a callable neither the draft nor the streamer: the loop gets them bound.
     decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats,
-                               ssd_layout=layout, ssd_hooks=hooks)
+                               ssd_layout=layout, ssd_hooks=hooks, ssd_streamer=kwargs.pop("streamer", None))
     stats.setup_time = time.perf_counter() - start
     with draft_matmul(draft, config.draft_matmul, model):
         out = type(model).generate(model, *args, custom_generate=decode, **kwargs)
@@ -232,7 +233,7 @@ def _close(call: dict, raise_pending: bool) -> None:
             raise pending
 
 
-def _validate_call(model, draft, args, kwargs) -> None:
+def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
     if draft is None:
         raise SSDUsageError(
             "ssd_config needs a draft model: call generate(..., assistant_model=draft, ssd_config=...). "
@@ -285,15 +286,16 @@ def _validate_call(model, draft, args, kwargs) -> None:
             "Remove assistant_ensemble_weight."
         )
     rows = _batch_size(args, kwargs)
-    if rows > 1:
-        if kwargs.get("streamer") is not None:
-            raise SSDUsageError(f"A streamer takes one sequence; this batch has {rows}. Remove streamer= (or "
-                                "generate the prompts one at a time to stream each).")
-        asked = [k for k in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+    if rows > 1 and kwargs.get("streamer") is not None:
+        raise SSDUsageError(f"A streamer takes one sequence; this batch has {rows}. Remove streamer= (or "
+                            "generate the prompts one at a time to stream each).")
+    if batch_path:
+        asked = [k for k in ("output_attentions", "output_hidden_states")
                  if kwargs.get(k, getattr(gen_config, k, False))]
         if asked:
-            raise SSDUsageError(f"Batched SSD calls (here {rows} sequences) return sequences only; remove "
-                                f"{', '.join(asked)} (or generate one prompt at a time, which returns them).")
+            raise SSDUsageError(f"Batched SSD calls (here {rows} sequences) return sequences, scores and logits "
+                                f"only; remove {', '.join(asked)} (or generate one prompt at a time, which returns "
+                                "them).")
     if model.config.is_encoder_decoder:
         raise SSDUsageError("SSD supports decoder-only models; encoder-decoder models are not supported.")
     why = stateful_reason(model)

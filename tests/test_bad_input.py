@@ -36,7 +36,8 @@ MESSAGES = {
     "mutated_gamma": "SSDConfig.gamma must be between 1 and 64",
     "mutated_fallback_gamma": "SSDConfig.fallback_gamma must be between 1 and 4",
     "mutated_eviction": "SSDConfig.eviction must be one of",
-    "batch_keyword": "Batched SSD calls (here 3 sequences) return sequences only; remove output_scores",
+    "batch_keyword": "Batched SSD calls (here 3 sequences) return sequences, scores and logits only; remove "
+                     "output_attentions",
     "no_draft": "ssd_config needs a draft model",
     "vocab": "Draft and target vocabularies differ (draft 100 vs target 96 tokens)",
     "eos": "Draft and target disagree on the end-of-sequence token",
@@ -208,10 +209,10 @@ def test_unsupported_generate_call(target, draft, case):
         _gen(target, draft, **dict(kwargs))
 
 
-def test_batch_of_three_as_keyword_with_scores(target, draft):
+def test_batch_of_three_as_keyword_with_attentions(target, draft):
     with expect(SSDUsageError, MESSAGES["batch_keyword"]):
         target.generate(input_ids=torch.tensor([[5], [6], [7]]), assistant_model=draft, max_new_tokens=4,
-                        ssd_config=SSDConfig(), output_scores=True, return_dict_in_generate=True)
+                        ssd_config=SSDConfig(), output_attentions=True, return_dict_in_generate=True)
 
 
 def test_ssd_config_without_assistant_model(target):

@@ -261,7 +261,7 @@ def test_batched_stats_say_what_ran(pair):
 
 @pytest.mark.parametrize(("kw", "phrase"), [
     ({"streamer": tf.generation.streamers.BaseStreamer()}, "A streamer takes one sequence"),
-    ({"output_scores": True, "return_dict_in_generate": True}, "return sequences only; remove output_scores"),
+    ({"output_hidden_states": True, "return_dict_in_generate": True}, "logits only; remove output_hidden_states"),
     ({"num_return_sequences": 2}, "num_return_sequences=1"),
 ])
 def test_batched_refusals(pair, kw, phrase):
@@ -270,6 +270,125 @@ def test_batched_refusals(pair, kw, phrase):
     with pytest.raises(SSDUsageError, match=phrase):
         target.generate(ids, attention_mask=mask, assistant_model=close, max_new_tokens=4, ssd_config=SSDConfig(),
                         **kw)
+
+
+def _ends_the_first_row_early(target, ids, mask, **kw) -> int:
+    """An EOS token: the first row's 5th greedy token (it ends by then; the others where they meet it)."""
+    return int(target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **kw)[0, ids.shape[1] + 4])
+
+
+@pytest.mark.parametrize("b", [1, 3, 8])
+@pytest.mark.parametrize("name", ["sd_g3", "ssd_g4_b4", "auto", "plain"])
+def test_scores_and_logits_are_the_targets_batched_ones(pair, monkeypatch, b, name):
+    """return_dict_in_generate with output_scores and output_logits: at every step of every row, the processed
+    scores (here a context-dependent processor, repetition_penalty) and raw logits of the target's own batched
+    generate; a row that ended at EOS before the longest one gets scores certain of the pad token after its end.
+    "plain": the plain batched decoding hand-off (plain.py)."""
+    target, close, noisy = pair
+    if name == "plain":
+        monkeypatch.setattr(loop.BatchPlan, "plain", lambda self, rows, new_tokens: True)
+    config, hooks = CONFIGS["auto" if name == "plain" else name]
+    hooks = {**(hooks or {}), "loop": "batch", **({"plain": True} if name == "plain" else {})}
+    ids, mask = padded_batch(lengths_for(b, 7), 7)
+    eos = _ends_the_first_row_early(target, ids, mask, repetition_penalty=1.3)
+    kw = {"do_sample": False, "max_new_tokens": NEW, "return_dict_in_generate": True, "output_scores": True,
+          "output_logits": True, "repetition_penalty": 1.3, "eos_token_id": eos}
+    want = target.generate(ids, attention_mask=mask, **kw)
+    ended_early = 0
+    for draft in (close, noisy):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, ssd_config=config, _ssd_hooks=hooks,
+                              **kw)
+        assert torch.equal(out.sequences, want.sequences)
+        assert out.ssd_stats.draft_path == ("plain batched" if name == "plain" else "batched")
+        assert len(out.scores) == len(out.logits) == len(want.scores) > 0
+        ends = [r["new_tokens"] for r in sorted(out.ssd_stats.rows, key=lambda r: r["index"])]
+        assert max(ends) == len(want.scores)
+        for t, (s, lg, ws, wl) in enumerate(zip(out.scores, out.logits, want.scores, want.logits)):
+            assert s.shape == ws.shape == (b, 96) and s.dtype == lg.dtype == torch.float32
+            for i in range(b):
+                if t < ends[i]:
+                    torch.testing.assert_close(s[i], ws[i], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(lg[i], wl[i], rtol=1e-5, atol=1e-5)
+                elif name != "plain":  # the loop's rows after their end (plain decoding computes them on)
+                    assert torch.log_softmax(s[i], -1)[0] == 0 and int(lg[i].argmax()) == 0
+        ended_early += sum(e < max(ends) for e in ends)
+    assert b == 1 or ended_early > 0, ends  # the pad-certain steps were checked
+
+
+@pytest.mark.parametrize("name", ["sd_g3", "ssd_g4_b4"])
+def test_a_prefix_constraint_that_reads_the_row_index_holds_per_row(pair, name):
+    """`prefix_allowed_tokens_fn` gets each row's index in the caller's batch (here it allows each row its own
+    residue class of tokens): identical to the target's own batched generate, and every new token allowed."""
+    target, close, _ = pair
+    ids, mask = padded_batch(lengths_for(3, 9), 9)
+    config, hooks = CONFIGS[name]
+    kw = {"do_sample": False, "max_new_tokens": NEW,
+          "prefix_allowed_tokens_fn": lambda batch_id, sent: [t for t in range(2, 96) if t % 3 == batch_id]}
+    out = target.generate(ids, attention_mask=mask, assistant_model=close, ssd_config=config, _ssd_hooks=hooks,
+                          **kw)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **kw))
+    assert all(t % 3 == i for i, row in enumerate(out[:, ids.shape[1]:].tolist()) for t in row)
+
+
+class _Recording:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert self.ended == 0, "put after end"
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("name", ["sd_g3", "ssd_g4_b4", "plain"])
+def test_one_prompt_through_the_batch_loop_streams_exactly_the_returned_tokens(pair, monkeypatch, name):
+    """A streamer on the batch loop (one row): the prompt, then each round's new tokens (within a round too, up
+    to where EOS ends the row), then one end(); through the plain decoding hand-off too."""
+    target, close, noisy = pair
+    if name == "plain":
+        monkeypatch.setattr(loop.BatchPlan, "plain", lambda self, rows, new_tokens: True)
+    config, hooks = CONFIGS["auto" if name == "plain" else name]
+    hooks = {**(hooks or {}), "loop": "batch", **({"plain": True} if name == "plain" else {})}
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    eos = int(target.generate(prompt, do_sample=False, max_new_tokens=11)[0, -1])
+    for draft in (close, noisy):
+        streamer = _Recording()
+        out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=NEW, eos_token_id=eos,
+                              ssd_config=config, _ssd_hooks=hooks, streamer=streamer)
+        assert torch.equal(out, target.generate(prompt, do_sample=False, max_new_tokens=NEW, eos_token_id=eos))
+        assert streamer.puts[0] == prompt[0].tolist()
+        assert [t for chunk in streamer.puts for t in chunk] == out[0].tolist()
+        assert streamer.ended == 1
+        if name != "plain":  # rounds of several tokens streamed as one chunk
+            assert len(streamer.puts) - 1 == hf_ssd.last_stats(target).rounds
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_sampled_scores_are_the_targets_processed_scores_of_each_kept_token(pair, b):
+    """Sampling (temperature and top-k): each step's scores are the target's processed scores at that row's
+    prefix (one target forward over the returned row), and the token kept is one they allow."""
+    target, _, noisy = pair
+    ids, mask = padded_batch(lengths_for(b, 8), 8)
+    warp = tf.LogitsProcessorList([tf.TemperatureLogitsWarper(0.7), tf.TopKLogitsWarper(5)])
+    torch.manual_seed(3)
+    out = target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=True, temperature=0.7, top_k=5,
+                          max_new_tokens=NEW, return_dict_in_generate=True, output_scores=True,
+                          ssd_config=SSDConfig(gamma=3, **QUIET), _ssd_hooks={"plain": False, "loop": "batch"})
+    assert out.ssd_stats.accepted_tokens < out.ssd_stats.proposed_tokens  # rejections: residual draws too
+    width = ids.shape[1]
+    for i in range(b):
+        row = out.sequences[i, width - int(mask[i].sum()):]
+        logits = target(row[None]).logits[0].float()
+        n = row.numel() - int(mask[i].sum())
+        for t in range(n):
+            at = row.numel() - n + t  # the kept token's index in the row
+            want = warp(row[None, :at], logits[at - 1][None].clone())[0]
+            torch.testing.assert_close(out.scores[t][i], want, rtol=1e-5, atol=1e-5)
+            assert torch.isfinite(out.scores[t][i, row[at]])
 
 
 def test_speculation_with_an_identical_draft_hits_nearly_always(pair):

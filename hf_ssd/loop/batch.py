@@ -14,7 +14,8 @@ calls `decode`. Each round, for the rows still generating:
    through the stopping criteria; hit rows adopt their branch's draft state; finished rows leave the batch.
 
 Rows accept different counts: both caches are `RaggedCache`s (rejected columns masked, explicit positions), so
-every row computes what it would compute alone. The output is padded as transformers pads a batch.
+every row computes what it would compute alone. The output is padded as transformers pads a batch; with
+`return_dict_in_generate`, each step's scores and logits as transformers' loops return them (`_Kept`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class Row:
     tagged: int = 0
     tops: list = field(default_factory=list)
     ready: Branch | None = None
+    # Asked for by return_dict_in_generate: per round, the processed scores and raw logits of the tokens it kept.
+    scores: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
 
     def stats(self) -> dict:
         return {"index": self.index, "new_tokens": self.new, "rounds": self.rounds, "proposed": self.proposed,
@@ -286,10 +290,16 @@ def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[
 
 
 class _Processing:
-    """The generation's logits processors for each row's context (all rows at once where they are context-free)."""
+    """The generation's logits processors for each row's context (all rows at once where they are context-free).
 
-    def __init__(self, processors):
+    A context-dependent processor may hold state per row of the caller's batch (transformers' repetition penalty
+    keeps each row's padding length; a `prefix_allowed_tokens_fn` gets the row's index), so it is called with a
+    batch of the caller's size: each row's context at its own index, rows of one context length together (one
+    call per position), the other indices filled with a copy."""
+
+    def __init__(self, processors, batch: int):
         self.procs = processors
+        self.batch = batch
         self.free = all(type(p).__name__ in CONTEXT_FREE for p in processors or [])
 
     def __call__(self, rows: list[Row], candidates: list[list[int]], logits: torch.Tensor) -> list[torch.Tensor]:
@@ -302,21 +312,36 @@ class _Processing:
             dummy = torch.zeros(flat.shape[0], 1, dtype=torch.long, device=flat.device)
             scores = self.procs(dummy, flat)
             return list(scores.split([len(c) + 1 for c in candidates]))
-        processed = []
-        for row, c, scores in zip(rows, candidates, out):
-            context = torch.tensor([row.ids + c], device=logits.device)
-            base = len(row.ids)
-            processed.append(torch.cat([self.procs(context[:, : base + j], scores[j : j + 1].clone())
-                                        for j in range(len(c) + 1)]))
-        return processed
+        processed = [[None] * (len(c) + 1) for c in candidates]
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(len(row.ids), []).append(i)
+        for members in groups.values():
+            for j in range(max(len(candidates[i]) for i in members) + 1):
+                at = [i for i in members if j <= len(candidates[i])]
+                context = torch.tensor([rows[i].ids + candidates[i][:j] for i in at], device=logits.device)
+                index = torch.tensor([rows[i].index for i in at], device=logits.device)
+                fill = torch.zeros(self.batch, dtype=torch.long, device=logits.device)  # other indices: the first's
+                fill[index] = torch.arange(len(at), device=logits.device)
+                scores = torch.stack([out[i][j] for i in at])
+                result = self.procs(context[fill], scores[fill].clone())
+                for i, r in zip(at, result[index]):
+                    processed[i][j] = r
+        return [torch.stack(p) for p in processed]
 
 
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
            streamer=None, *, ssd_draft, ssd_config, ssd_stats: SSDStats, ssd_layout: str = "thread",
-           ssd_hooks: dict | None = None, **model_kwargs):
-    """The `custom_generate` callable of batched calls (see the module docstring)."""
+           ssd_hooks: dict | None = None, ssd_streamer=None, **model_kwargs):
+    """The `custom_generate` callable of batched calls (see the module docstring). `ssd_streamer`: the caller's
+    streamer (one row), which transformers does not hand to a callable; it gets the prompt, each round's new
+    tokens, then `end()`, as transformers' own loops give them."""
+    streamer = ssd_streamer if ssd_streamer is not None else streamer
+    if ssd_streamer is not None:
+        ssd_streamer.put(input_ids.cpu())
     do_sample = bool(generation_config.do_sample)
     pad = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
+    keep = _Kept.of(generation_config, pad)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
@@ -334,7 +359,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
     drafter = BatchDrafter(ssd_draft, model.config.get_text_config().vocab_size, do_sample, logits_processor, pad,
                            top_k=plan.top_k, generator=gen)
-    process = _Processing(logits_processor)
+    process = _Processing(logits_processor, batch=len(rows))
     # fanout="calibrated" set by the caller: jobs rank each row's outcomes by P(k) from the draft's confidence,
     # learned per draft model (shared with single-prompt calls). Left unset, a batch splits per k (geometric): on
     # the simulated device at B = 8, b = 16, the calibrated ranking hit 92-94% of the full batch's lookups
@@ -375,11 +400,17 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference, calibration)
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, feed)
-            new_tokens = _accept(rnd, process(live, rnd.candidates, logits), do_sample)
+            scores = process(live, rnd.candidates, logits)
+            new_tokens = _accept(rnd, scores, do_sample)
             t3 = time.perf_counter()
             speculator.collect()  # the job stops at its next step; its error is raised here
             _commit(target, drafter, live, rnd, fed)
+            before = [r.new for r in live]
             appended = _advance(live, new_tokens, stops, rnd.explored)
+            kept = [r.new - b for r, b in zip(live, before)]
+            keep(live, kept, scores, logits)
+            if streamer is not None:  # one row (batches refuse a streamer)
+                streamer.put(torch.tensor(live[0].ids[len(live[0].ids) - kept[0]:]))
             with speculator.on_critical_path():
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
@@ -402,9 +433,53 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     width = max(len(r.ids) for r in rows)
     sequences = torch.tensor([r.ids + [pad] * (width - len(r.ids)) for r in rows], dtype=input_ids.dtype,
                              device=input_ids.device)
+    if streamer is not None:
+        streamer.end()
     if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        return GenerateDecoderOnlyOutput(sequences=sequences, **keep.outputs(rows))
     return sequences
+
+
+@dataclass
+class _Kept:
+    """What `return_dict_in_generate` asks to keep beside the sequences: each new token's processed scores
+    (`output_scores`) and raw logits (`output_logits`), float32, one [B, V] tensor per step as transformers' loops
+    return them. A row that ended before the longest one gets, at each later step, scores that put all mass on the
+    pad token it is padded with (transformers' own batched loop keeps computing finished rows; this loop drops
+    them)."""
+
+    scores: bool
+    logits: bool
+    pad: int
+
+    @classmethod
+    def of(cls, generation_config, pad: int) -> _Kept:
+        asked = bool(generation_config.return_dict_in_generate)
+        return cls(asked and bool(generation_config.output_scores), asked and bool(generation_config.output_logits),
+                   pad)
+
+    def __call__(self, live: list[Row], kept: list[int], scores: list[torch.Tensor], logits: torch.Tensor) -> None:
+        """The round's kept tokens' scores and logits, per row (`kept`: its tokens appended this round)."""
+        for i, (row, n) in enumerate(zip(live, kept)):
+            if self.scores:
+                row.scores.append(scores[i][:n].float().clone())
+            if self.logits:
+                row.logits.append(logits[i, :n].float().clone())
+
+    def outputs(self, rows: list[Row]) -> dict:
+        return {"scores": self._steps(rows, "scores") if self.scores else None,
+                "logits": self._steps(rows, "logits") if self.logits else None}
+
+    def _steps(self, rows: list[Row], name: str) -> tuple[torch.Tensor, ...]:
+        per_row = [torch.cat(getattr(r, name)) if getattr(r, name) else None for r in rows]
+        some = next((t for t in per_row if t is not None), None)
+        if some is None:
+            return ()
+        steps = max(t.shape[0] for t in per_row if t is not None)
+        ended = torch.full((steps, some.shape[1]), float("-inf"), device=some.device)
+        ended[:, self.pad] = 0.0
+        full = torch.stack([ended if t is None else torch.cat([t, ended[t.shape[0]:]]) for t in per_row])
+        return tuple(full[:, j] for j in range(steps))
 
 
 def _prefill_draft(drafter: BatchDrafter, live: list[Row], costs) -> float:
