@@ -585,6 +585,35 @@ def test_an_early_verdict_wants_the_loop_faster_than_plain_by_a_margin(tokens, c
     assert plan._condemned_early(4, 100, 64) is condemned
 
 
+@pytest.mark.parametrize(("best", "predicted", "condemned"), [
+    (150.0, 100.0, False),  # the model's best, scaled by 0.95 (how the measured fared): 142 a second
+    (120.0, 100.0, True),  # 114 a second: within EARLY_OVERRULE of plain's 100
+    (200.0, 200.0, True),  # the model over-predicted the measured options twofold: 95 a second
+])
+def test_rounds_measured_slower_are_overruled_where_the_models_best_option_clearly_wins(monkeypatch, best, predicted,
+                                                                                        condemned):
+    """Measured rounds slower than plain (here plain SD and the narrowest SSD, what a first call runs) condemn the
+    loop early unless the option the model rates best, scaled by how the measured options fared against its
+    predictions, beats plain's step by EARLY_OVERRULE (an idle accelerator's small batch: the wide fan-outs the
+    first call never ran win)."""
+    from hf_ssd.scheduling.schedule import Option, Prediction, Scheduler
+
+    plan = fresh_plan()
+    scheduler = plan.scheduler(4)
+    costs = scheduler.costs
+    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
+    costs.add_round()
+    measured = [Option("sd", 3), Option("ssd", 3, 1)]
+    for o in measured:  # 95 a second once shrunk towards plain's 100 (4 tokens in 0.05 s, then 3 rounds of 0.05 s)
+        costs.add_round_outcome(o, 4, 0.05, Prediction(tokens=4.0, seconds=0.01))
+        assert costs.measured_rate(o, toward=100) == pytest.approx(95)
+    wide = Option("ssd", 4, 16)
+    monkeypatch.setattr(Scheduler, "best", lambda self, predictions=None: (wide, Prediction(best, 1.0)))
+    monkeypatch.setattr(Scheduler, "predict", lambda self, o, *a: Prediction(predicted, 1.0) if o in measured
+                        else None)
+    assert plan._condemned_early(4, 100, 64) is condemned
+
+
 def test_a_larger_batch_keeps_the_plain_verdict_of_the_nearest_smaller_size():
     """A size whose own rounds would leave the call to the loop runs plain when the largest smaller size with a
     verdict chose plain (there an early one: its rounds condemned the loop), and refreshes that as rarely as a
@@ -809,8 +838,8 @@ def test_a_job_stops_stepping_once_its_next_step_would_end_past_the_verify():
 
 
 def test_a_batch_divides_the_job_branches_among_its_rows():
-    """Per-row fan-out budgets within BATCH_BRANCHES for the whole batch: 16 per row at B = 8, 8 at B = 16; an
-    explicit fanout_budget stays as set."""
+    """Per-row fan-out budgets within BATCH_BRANCHES for the whole batch: one prompt's wide ones (32, 64) at
+    B = 1 and 2, 32 at B = 4, 16 per row at B = 8, 8 at B = 16; an explicit fanout_budget stays as set."""
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
     draft = noisy_copy(target, 0.02)
 
@@ -818,6 +847,8 @@ def test_a_batch_divides_the_job_branches_among_its_rows():
         plan = loop.BatchPlan(target, draft, config, False, "thread", {}, top_k=17)
         return {o.budget for o in plan.scheduler(rows).options if o.kind == "ssd"}
 
+    assert budgets(SSDConfig(), 1) == budgets(SSDConfig(), 2) == {1, 2, 4, 8, 16, 32, 64}
+    assert budgets(SSDConfig(), 4) == {1, 2, 4, 8, 16, 32}
     assert budgets(SSDConfig(), 8) == {1, 2, 4, 8, 16}
     assert budgets(SSDConfig(), 16) == {1, 2, 4, 8}
     assert max(budgets(SSDConfig(), 16)) * 16 <= loop.BATCH_BRANCHES

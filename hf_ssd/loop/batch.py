@@ -37,7 +37,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..drafting.batch import BatchDrafter
 from ..drafting.drafter import CONTEXT_FREE
 from ..scheduling.costs import cost_model_for, estimates_of
-from ..scheduling.schedule import AUTO_BUDGETS, Option, Scheduler, allowed_options
+from ..scheduling.schedule import AUTO_BUDGETS, WIDE_BUDGETS, Option, Scheduler, allowed_options
 from ..speculation.batch import Branch, Tree, speculate
 from ..speculation.outcomes import Outcome, bonus_rank
 from ..speculation.predictor import calibration_for, drafted_probs
@@ -50,7 +50,7 @@ from .ragged import RaggedCache
 logger = logging.getLogger("hf_ssd")
 
 # A job's branches over the whole batch: each copies its row's draft cache, so a batch divides them among its rows
-# (per row 16 at B <= 8, 8 at B = 16). Where a batched draft step costs about one row (an accelerator), the wider
+# (per row one prompt's widest, 64, at B <= 2, 32 at B = 4, 16 at B = 8, 8 at B = 16). Where a batched draft step costs about one row (an accelerator), the wider
 # fan-outs are what keep most rows hitting; on CPU cores their measured steps rule them out.
 BATCH_BRANCHES = 128
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
@@ -60,6 +60,11 @@ INFORMED_ROUNDS = 50  # rounds a smaller size's estimates need before a shrinkin
 # rate misses what a whole call pays (rows that end early leave rounds of few rows; the job beside the prompt
 # prefill). Real pair, B = 8: a warm-up's rounds measured 1.06-1.09x plain's rate; 64-token loop calls ran 0.7-0.92x.
 EARLY_MARGIN = 1.1
+# An early verdict from measured rounds is overruled where the model's best option, scaled by how the measured
+# options fared against its predictions, is this much faster than plain decoding per row: the real pair at B = 8
+# (model 1.35x plain, measured 1.06-1.09x, loop calls 0.76-0.92x) stays condemned, an idle accelerator's batch of
+# 2 or 4 (simulated device: model 1.45x, measured 0.95-1.05x from plain SD and b = 1, loop calls 2.1x) does not.
+EARLY_OVERRULE = 1.3
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
 
@@ -121,7 +126,7 @@ def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option],
     """(options, default) for batches: `allowed_options` without one prompt's confidence stops, thread counts and
     wide budgets (each batch size keeps those within BATCH_BRANCHES, `BatchPlan.scheduler`); the default is
     plain SD at the configured gamma where that is an option, else the first of them."""
-    options = allowed_options(config, "thread", fixed_budget, wide=False, stops=False)
+    options = allowed_options(config, "thread", fixed_budget, wide=True, stops=False)
     default = Option("sd", config.gamma) if Option("sd", config.gamma) in options else options[0]
     if "options" in hooks:  # tests and tooling restrict the choice
         options = list(hooks["options"](options)) or options
@@ -228,7 +233,8 @@ class BatchPlan:
         none, and on the real pair at B = 8 the next loop call ran 0.7-0.87x plain's speed (the draft's prefill
         of 8 prompts took an eighth of plain's decoding time there, and the best one-round option rate was 1.35x
         plain's). (The model alone is optimistic on CPU cores: it misses the rows that end early.) The loop must
-        win by EARLY_MARGIN."""
+        win by EARLY_MARGIN. Measured rounds are overruled where the model's best option wins by EARLY_OVERRULE
+        once scaled by how the measured options fared: a first call measures plain SD and the narrowest SSD."""
         scheduler = self.scheduler(rows)
         costs = scheduler.costs
         step = costs.plain_step.value
@@ -242,13 +248,24 @@ class BatchPlan:
 
         # Each option's rate shrunk towards plain's (drafting gains nothing): a size's first loop call runs most
         # options for a round or two, and the best of a dozen one-round rates is a lucky one.
-        measured = [costs.measured_rate(o, toward=1.0 / step) for o in costs.outcomes if o.kind != "ar"]
-        if measured and slower(max(measured)):
-            return True
+        measured = {o: costs.measured_rate(o, toward=1.0 / step) for o in costs.outcomes if o.kind != "ar"}
         scheduler.job_budget = lambda b: b  # a new call: all its rows live (a past call's tail set it wider)
         with costs.frozen():
             _, best = scheduler.best()
-        return best is not None and slower(best.rate)
+            predicted = {o: scheduler.predict(o) for o in measured}
+        if best is not None and slower(best.rate):
+            return True
+        if not measured or not slower(max(measured.values())):
+            return False
+        # The rounds measured say slower, but they ran what a first call runs (plain SD, the narrowest SSD), not
+        # what the model rates best: overruled where that, scaled by how the measured options fared against their
+        # predictions, wins by EARLY_OVERRULE (simulated device, B = 2: b = 1 and plain SD measured 1.05x and
+        # 0.95x plain, the model's best ran 2.1x).
+        fared = [(measured[o], p.rate) for o, p in predicted.items() if p is not None and p.rate > 0]
+        if best is None or not fared:
+            return True
+        scale = min(1.0, sum(m for m, _ in fared) / sum(r for _, r in fared))
+        return best.rate * scale < EARLY_OVERRULE / step
 
     def _nearest_smaller(self, size: int) -> tuple[int, object] | None:
         """(batch size, CostModel) of this pair's estimates with a verdict (a judged loop call, or an early
@@ -345,7 +362,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
-    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=max(AUTO_BUDGETS) + 1)
+    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=max(AUTO_BUDGETS + WIDE_BUDGETS) + 1)
     ssd_stats.batch_size = len(rows)
     if (ssd_hooks or {}).get("plain", True) and plan.plain(rows, generation_config.max_length - input_ids.shape[1]):
         return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
