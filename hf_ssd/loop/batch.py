@@ -50,8 +50,9 @@ from .ragged import RaggedCache
 logger = logging.getLogger("hf_ssd")
 
 # A job's branches over the whole batch: each copies its row's draft cache, so a batch divides them among its rows
-# (per row one prompt's widest, 64, at B <= 2, 32 at B = 4, 16 at B = 8, 8 at B = 16). Where a batched draft step costs about one row (an accelerator), the wider
-# fan-outs are what keep most rows hitting; on CPU cores their measured steps rule them out.
+# (per row one prompt's widest, 64, at B <= 2, 32 at B = 4, 16 at B = 8, 8 at B = 16). Where a batched draft step
+# costs about one row (an accelerator), the wider fan-outs are what keep most rows hitting; on CPU cores their
+# measured steps rule them out.
 BATCH_BRANCHES = 128
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
 EARLY_REFRESH = 2  # the same while the plain verdict is an early one (no whole loop call judged at the size yet)
