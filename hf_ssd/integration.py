@@ -208,7 +208,8 @@ def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: floa
     stats.setup_time = time.perf_counter() - start
     with draft_matmul(draft, config.draft_matmul, model):
         out = type(model).generate(model, *args, custom_generate=decode, **kwargs)
-    stats.finalize((start, time.perf_counter()), [], [])
+    iv = stats.intervals  # the loop's (loop/batch.py `_record`) or plain decoding's
+    stats.finalize((start, time.perf_counter()), iv.get("verify", []), iv.get("fallback", []) + iv.get("speculate", []))
     with _stats_lock:
         _last_stats[model] = stats
     if hasattr(out, "sequences"):
@@ -317,8 +318,7 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
 # SSDConfig fields that only single-prompt calls use (the speculation cache, deeper pipelines, the static
 # draft path, Saguaro sampling, ...), with their defaults: a batch refuses other values rather than ignore them.
 _ONE_PROMPT_ONLY = {"pipeline_depth": 1, "saguaro_c": None, "max_outcomes": None, "cache_size": 64,
-                    "eviction": "probability", "static_draft": None, "cuda_graphs": None, "record_timeline": False,
-                    "cpu_threads": None}
+                    "eviction": "probability", "static_draft": None, "cuda_graphs": None, "cpu_threads": None}
 
 
 def _check_batch_config(config: SSDConfig, rows: int) -> None:

@@ -259,6 +259,34 @@ def test_batched_stats_say_what_ran(pair):
     assert stats.wall_time > 0 and stats.tokens_per_second > 0
 
 
+@pytest.mark.parametrize("layout", ["thread", "inline"])
+def test_a_batchs_stats_split_its_time_and_record_its_timeline(pair, layout, tmp_path):
+    """A batch's stats hold its busy intervals: the verify's time, and the job's pre-drafting overlapping it on
+    its thread (a bubble ratio under 1; inline, the job runs before the verify: no overlap); with
+    record_timeline, one event per round, which `hf_ssd.plot_timeline` draws."""
+    target, close, _ = pair
+    ids, mask = padded_batch([4, 6, 5], 11)
+    config = SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout=layout, record_timeline=True, **QUIET)
+    stats = target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=NEW,
+                            ssd_config=config, return_dict_in_generate=True).ssd_stats
+    events = stats.timeline
+    assert len(events) == stats.rounds and events[0]["option"] == "prefill"
+    assert all(e["t_request"] <= e["t_return"] <= e["t_verified"] for e in events)
+    assert sum(e["accepted"] for e in events) == stats.accepted_tokens
+    assert sum(e["n_candidates"] for e in events) == stats.proposed_tokens
+    assert any(e["hit"] for e in events) and not all(e["hit"] for e in events[1:])
+    assert 0 < stats.verify_time < stats.wall_time and stats.speculate_time > 0
+    if layout == "thread":
+        assert stats.overlap_time > 0 and stats.bubble_ratio < 1
+    else:
+        assert stats.overlap_time == 0 and stats.bubble_ratio == 1
+    hf_ssd.plot_timeline(stats, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    quiet = SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout=layout, **QUIET)
+    target.generate(ids, attention_mask=mask, assistant_model=close, max_new_tokens=NEW, ssd_config=quiet)
+    assert hf_ssd.last_stats(target).timeline == [] and hf_ssd.last_stats(target).verify_time > 0
+
+
 @pytest.mark.parametrize(("kw", "phrase"), [
     ({"streamer": tf.generation.streamers.BaseStreamer()}, "A streamer takes one sequence"),
     ({"output_hidden_states": True, "return_dict_in_generate": True}, "logits only; remove output_hidden_states"),
@@ -589,13 +617,14 @@ def test_an_early_verdict_wants_the_loop_faster_than_plain_by_a_margin(tokens, c
     (150.0, 100.0, False),  # the model's best, scaled by 0.95 (how the measured fared): 142 a second
     (120.0, 100.0, True),  # 114 a second: within EARLY_OVERRULE of plain's 100
     (200.0, 200.0, True),  # the model over-predicted the measured options twofold: 95 a second
+    (300.0, 100.0, True),  # the model's best is plain SD at another gamma: a family measured slower
 ])
 def test_rounds_measured_slower_are_overruled_where_the_models_best_option_clearly_wins(monkeypatch, best, predicted,
                                                                                         condemned):
     """Measured rounds slower than plain (here plain SD and the narrowest SSD, what a first call runs) condemn the
-    loop early unless the option the model rates best, scaled by how the measured options fared against its
-    predictions, beats plain's step by EARLY_OVERRULE (an idle accelerator's small batch: the wide fan-outs the
-    first call never ran win)."""
+    loop early unless the option the model rates best is of a family not measured and, scaled by how the measured
+    options fared against its predictions, beats plain's step by EARLY_OVERRULE (an idle accelerator's small
+    batch: the wide fan-outs the first call never ran win)."""
     from hf_ssd.scheduling.schedule import Option, Prediction, Scheduler
 
     plan = fresh_plan()
@@ -607,8 +636,8 @@ def test_rounds_measured_slower_are_overruled_where_the_models_best_option_clear
     for o in measured:  # 95 a second once shrunk towards plain's 100 (4 tokens in 0.05 s, then 3 rounds of 0.05 s)
         costs.add_round_outcome(o, 4, 0.05, Prediction(tokens=4.0, seconds=0.01))
         assert costs.measured_rate(o, toward=100) == pytest.approx(95)
-    wide = Option("ssd", 4, 16)
-    monkeypatch.setattr(Scheduler, "best", lambda self, predictions=None: (wide, Prediction(best, 1.0)))
+    pick = Option("sd", 5) if best == 300.0 else Option("ssd", 4, 16)
+    monkeypatch.setattr(Scheduler, "best", lambda self, predictions=None: (pick, Prediction(best, 1.0)))
     monkeypatch.setattr(Scheduler, "predict", lambda self, o, *a: Prediction(predicted, 1.0) if o in measured
                         else None)
     assert plan._condemned_early(4, 100, 64) is condemned

@@ -61,10 +61,10 @@ INFORMED_ROUNDS = 50  # rounds a smaller size's estimates need before a shrinkin
 # rate misses what a whole call pays (rows that end early leave rounds of few rows; the job beside the prompt
 # prefill). Real pair, B = 8: a warm-up's rounds measured 1.06-1.09x plain's rate; 64-token loop calls ran 0.7-0.92x.
 EARLY_MARGIN = 1.1
-# An early verdict from measured rounds is overruled where the model's best option, scaled by how the measured
-# options fared against its predictions, is this much faster than plain decoding per row: the real pair at B = 8
-# (model 1.35x plain, measured 1.06-1.09x, loop calls 0.76-0.92x) stays condemned, an idle accelerator's batch of
-# 2 or 4 (simulated device: model 1.45x, measured 0.95-1.05x from plain SD and b = 1, loop calls 2.1x) does not.
+# An early verdict from measured rounds is overruled where the model's best option is of a family not measured
+# and, scaled by how the measured options fared against its predictions, this much faster than plain decoding
+# per row: an idle accelerator's batch of 2 or 4 (simulated device: model 1.45x for b = 8, measured 0.95-1.05x
+# from plain SD and b = 1, loop calls 2.1x) runs the loop.
 EARLY_OVERRULE = 1.3
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
@@ -121,6 +121,7 @@ class Round:
     bonus: list[int] = field(default_factory=list)
     found: list = field(default_factory=list)  # per row: the index of its branch in the tree, or None
     overhead_s: float = 0.0  # critical-path time of the job beyond the verify (collecting, adopting)
+    times: tuple = ()  # perf_counter (start, candidates ready, verify start, verify end)
 
 
 def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option], Option]:
@@ -252,18 +253,19 @@ class BatchPlan:
         measured = {o: costs.measured_rate(o, toward=1.0 / step) for o in costs.outcomes if o.kind != "ar"}
         scheduler.job_budget = lambda b: b  # a new call: all its rows live (a past call's tail set it wider)
         with costs.frozen():
-            _, best = scheduler.best()
+            best_option, best = scheduler.best()
             predicted = {o: scheduler.predict(o) for o in measured}
         if best is not None and slower(best.rate):
             return True
         if not measured or not slower(max(measured.values())):
             return False
-        # The rounds measured say slower, but they ran what a first call runs (plain SD, the narrowest SSD), not
-        # what the model rates best: overruled where that, scaled by how the measured options fared against their
-        # predictions, wins by EARLY_OVERRULE (simulated device, B = 2: b = 1 and plain SD measured 1.05x and
-        # 0.95x plain, the model's best ran 2.1x).
+        # The rounds measured say slower, but they ran what a first call runs (plain SD, the narrowest SSD): where
+        # the model rates best an option of a family not measured (a wider fan-out), overruled if that option,
+        # scaled by how the measured options fared against their predictions, wins by EARLY_OVERRULE (simulated
+        # device, B = 2: b = 1 and plain SD measured 1.05x and 0.95x plain, the model's b = 8 ran 2.1x). A family
+        # measured slower stands (real pair, B = 8: the model rated sd(g=5) 1.69x, sd(g=4) measured 1.03x).
         fared = [(measured[o], p.rate) for o, p in predicted.items() if p is not None and p.rate > 0]
-        if best is None or not fared:
+        if best is None or not fared or best_option.family in {o.family for o in measured}:
             return True
         scale = min(1.0, sum(m for m, _ in fared) / sum(r for _, r in fared))
         return best.rate * scale < EARLY_OVERRULE / step
@@ -431,9 +433,10 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 streamer.put(torch.tensor(live[0].ids[len(live[0].ids) - kept[0]:]))
             with speculator.on_critical_path():
                 _adopt(drafter, live, rnd)
-            rnd.draft_s, rnd.verify_s = t1 - t0, t3 - t2
+            rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0, t3 - t2, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
             _measure(own, stats, rnd, live, appended, first, do_sample, calibration)
+            _record(stats, rnd, len(live), ssd_config.record_timeline)
             first = False
             live = _leave(live, target, drafter)
             decoding = decoding or time.perf_counter()  # the target's prefill done: decoding starts
@@ -444,6 +447,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             logger.error("hf_ssd: closing the speculator after %s also failed: %r", type(err).__name__, close_err)
         raise
     speculator.close()
+    stats.intervals["speculate"] = list(speculator.busy)
     if decoding is not None:
         _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds)
     stats.rows = [r.stats() for r in rows]
@@ -796,5 +800,19 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
     stats.proposed_tokens += sum(len(c) for c in rnd.candidates)
     stats.accepted_tokens += sum(rnd.accepted)
     stats.new_tokens += tokens
-    stats.verify_time += rnd.verify_s
     stats.fallback_draft_time += rnd.draft_s
+
+
+def _record(stats: SSDStats, rnd: Round, rows: int, timeline: bool) -> None:
+    """The round's busy intervals (the verify; the draft on the critical path), from which the call's stats
+    derive overlap and bubble ratio, and with `record_timeline` its event for `hf_ssd.plot_timeline` (candidates
+    and accepted tokens summed over the rows; a hit when every row's candidates came from a branch)."""
+    t0, t1, t2, t3 = rnd.times
+    stats.intervals.setdefault("verify", []).append((t2, t3))
+    if t1 > t0 and not all(rnd.hits):
+        stats.intervals.setdefault("fallback", []).append((t0, t1))
+    if timeline:
+        stats.timeline.append({"round": stats.rounds, "option": "prefill" if rnd.prefill else rnd.option.name,
+                               "rows": rows, "t_request": t0, "t_return": t2, "t_verified": t3,
+                               "n_candidates": sum(map(len, rnd.candidates)), "accepted": sum(rnd.accepted),
+                               "hit": bool(rnd.hits) and all(rnd.hits) and rnd.option.kind == "ssd"})

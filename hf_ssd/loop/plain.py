@@ -60,6 +60,6 @@ def decode_plain(model, input_ids, logits_processor, stopping_criteria, generati
     for seconds in steps:
         stats.add_round("plain batched", seconds)
     stats.rounds += len(clock.times) - 1
-    stats.verify_time += clock.times[-1] - clock.times[0]
+    stats.intervals = {"verify": [(clock.times[0], clock.times[-1])], "speculate": [], "fallback": []}
     stats.draft_path = "plain batched"
     return out
