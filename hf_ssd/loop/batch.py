@@ -125,9 +125,9 @@ class Round:
 
 
 def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option], Option]:
-    """(options, default) for batches: `allowed_options` without one prompt's confidence stops, thread counts and
-    wide budgets (each batch size keeps those within BATCH_BRANCHES, `BatchPlan.scheduler`); the default is
-    plain SD at the configured gamma where that is an option, else the first of them."""
+    """(options, default) for batches: `allowed_options` without one prompt's confidence stops and thread counts
+    (each batch size keeps the budgets within BATCH_BRANCHES, `BatchPlan.scheduler`); the default is plain SD at
+    the configured gamma where that is an option, else the first of them."""
     options = allowed_options(config, "thread", fixed_budget, wide=True, stops=False)
     default = Option("sd", config.gamma) if Option("sd", config.gamma) in options else options[0]
     if "options" in hooks:  # tests and tooling restrict the choice
@@ -365,7 +365,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
-    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {}, top_k=max(AUTO_BUDGETS + WIDE_BUDGETS) + 1)
+    plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {},
+                     top_k=max(AUTO_BUDGETS + WIDE_BUDGETS) + 1)
     ssd_stats.batch_size = len(rows)
     if (ssd_hooks or {}).get("plain", True) and plan.plain(rows, generation_config.max_length - input_ids.shape[1]):
         return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
