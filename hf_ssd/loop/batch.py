@@ -344,7 +344,7 @@ class _Processing:
                 fill = torch.zeros(self.batch, dtype=torch.long, device=logits.device)  # other indices: the first's
                 fill[index] = torch.arange(len(at), device=logits.device)
                 scores = torch.stack([out[i][j] for i in at])
-                result = self.procs(context[fill], scores[fill].clone())
+                result = self.procs(context[fill], scores[fill])  # indexing copies: processors may write in place
                 for i, r in zip(at, result[index]):
                     processed[i][j] = r
         return [torch.stack(p) for p in processed]
@@ -426,17 +426,15 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             t3 = time.perf_counter()
             speculator.collect()  # the job stops at its next step; its error is raised here
             _commit(target, drafter, live, rnd, fed)
-            before = [r.new for r in live]
-            appended = _advance(live, new_tokens, stops, rnd.explored)
-            kept = [r.new - b for r, b in zip(live, before)]
+            kept = _advance(live, new_tokens, stops, rnd.explored)
             keep(live, kept, scores, logits)
             if streamer is not None:  # one row (batches refuse a streamer)
-                streamer.put(torch.tensor(live[0].ids[len(live[0].ids) - kept[0]:]))
+                streamer.put(torch.tensor(live[0].ids[-kept[0]:]))
             with speculator.on_critical_path():
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0, t3 - t2, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
-            _measure(own, stats, rnd, live, appended, first, do_sample, calibration)
+            _measure(own, stats, rnd, live, sum(kept), first, do_sample, calibration)
             _record(stats, rnd, len(live), ssd_config.record_timeline)
             first = False
             live = _leave(live, target, drafter)
@@ -483,6 +481,8 @@ class _Kept:
 
     def __call__(self, live: list[Row], kept: list[int], scores: list[torch.Tensor], logits: torch.Tensor) -> None:
         """The round's kept tokens' scores and logits, per row (`kept`: its tokens appended this round)."""
+        if not (self.scores or self.logits):
+            return
         for i, (row, n) in enumerate(zip(live, kept)):
             if self.scores:
                 row.scores.append(scores[i][:n].float().clone())
@@ -689,21 +689,23 @@ def _stop_rule(criteria, device):
     return lambda ids: bool(criteria and StoppingCriteriaList(criteria)(torch.tensor([ids], device=device), None)[0])
 
 
-def _advance(live: list[Row], new_tokens: list[list[int]], stops, explored: bool) -> int:
+def _advance(live: list[Row], new_tokens: list[list[int]], stops, explored: bool) -> list[int]:
     """Each row's new tokens, one by one through the stopping criteria, as the target alone would stop (a row
-    may stop within its accepted candidates). Returns the tokens appended."""
-    appended = 0
+    may stop within its accepted candidates). Returns the tokens each row appended."""
+    kept = []
     for row, tokens in zip(live, new_tokens):
+        n = 0
         for t in tokens:
             row.ids.append(t)
             row.real.append(t)
-            row.new += 1
-            row.explored_new += explored
-            appended += 1
+            n += 1
             if stops(row.ids):
                 row.done = True
                 break
-    return appended
+        row.new += n
+        row.explored_new += n * explored
+        kept.append(n)
+    return kept
 
 
 def _adopt(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
