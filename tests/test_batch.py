@@ -563,7 +563,7 @@ def test_measured_rounds_slower_than_a_plain_step_condemn_the_loop_before_its_ve
     costs.add_round()
     optimistic = Prediction(tokens=4.0, seconds=0.01)  # the model's view: 400 a second
     costs.add_round_outcome(Option("sd", 3), 2, 0.05, optimistic)  # measured: 40 a second
-    costs.add_round_outcome(Option("ar"), 1, 0.005, optimistic)  # AR rounds never count: one token, as plain
+    costs.add_round_outcome(Option("ar"), 1, 0.01, optimistic)  # the loop's AR rounds: plain's step
     assert plan._condemned_early(4, 400, 64)
     costs.add_round_outcome(Option("ssd", 3, 4), 3, 0.01, optimistic)  # measured: 300 a second, in one round
     assert not plan._condemned_early(4, 400, 64)
@@ -595,6 +595,29 @@ def test_an_early_plain_verdict_is_tried_again_sooner_than_a_judged_one():
     costs.add_loop_call(0.5, 1.0, 50, loop.VERDICT_MIN_STEPS)  # a whole call judged: the loop at 0.5x plain
     judged = [plain for plain in (plan.plain(rows, 64) for _ in range(loop.PLAIN_REFRESH + 1))]
     assert judged == [True] * loop.PLAIN_REFRESH + [False]
+
+
+@pytest.mark.parametrize(("ar_s", "condemned"), [(None, False), (0.01, False), (0.02, False), (0.005, True)])
+def test_the_loops_own_ar_rounds_stand_for_plain_decoding_where_they_ran_faster(ar_s, condemned):
+    """The early verdict compares the loop's rounds with plain decoding's step, or with the loop's own AR rounds
+    (the target alone over the same rows, measured in the same calls) where those ran faster: a plain call
+    measured on a slowed machine must not let the loop through. AR rounds slower than plain's step change
+    nothing. Here SD's rounds ran 130 tokens a row per second once shrunk towards plain's 100; AR rounds of 5 ms
+    (165 a second once shrunk) leave SD within EARLY_MARGIN of them."""
+    from hf_ssd.scheduling.schedule import Option, Prediction
+
+    plan = fresh_plan()
+    costs = plan.scheduler(4).costs
+    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
+    costs.add_round()
+    guess = Prediction(tokens=4.0, seconds=0.01)
+    costs.add_round_outcome(Option("sd", 3), 11, 0.05, guess)  # 130 a second, shrunk towards plain's 100
+    for _ in range(0 if ar_s is None else 8):  # 8 AR rounds weigh about as much as their shrinking prior
+        costs.add_round_outcome(Option("ar"), 1, ar_s, guess)
+    step = loop._plain_step(costs)
+    assert step == pytest.approx(0.01 if ar_s is None or ar_s >= 0.01 else 1 / costs.measured_rate(
+        Option("ar"), toward=100))
+    assert plan._condemned_early(4, 100, 64) is condemned
 
 
 @pytest.mark.parametrize("tokens, condemned", [(6, True), (11, False)])

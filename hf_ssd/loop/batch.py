@@ -227,8 +227,8 @@ class BatchPlan:
 
     def _condemned_early(self, rows: int, prompt_tokens: int, new_tokens: int) -> bool:
         """Before the loop's speedup is judged at this size: whether the loop rounds measured so far show that a
-        call of these prompt and new tokens would run slower than plain decoding at its measured step (one token
-        a row): the draft's prompt prefill (which plain decoding never pays), then the new tokens at the best
+        call of these prompt and new tokens would run slower than plain decoding at its step (one token a row,
+        `_plain_step`): the draft's prompt prefill (which plain decoding never pays), then the new tokens at the best
         option's rate, neither as measured (tokens a row over seconds, each option's own rounds) nor as the
         per-round model rates it. Both only ever condemn the loop early, where its whole-call verdict would wait
         for VERDICT_MIN_STEPS chosen steps: a size's first loop call explores every option family and chooses
@@ -239,7 +239,7 @@ class BatchPlan:
         once scaled by how the measured options fared: a first call measures plain SD and the narrowest SSD."""
         scheduler = self.scheduler(rows)
         costs = scheduler.costs
-        step = costs.plain_step.value
+        step = _plain_step(costs)
         if not costs.rounds_seen or not step:
             return False
         steps = max(1, new_tokens - 1)  # the first token comes with the prefill, in both
@@ -293,10 +293,23 @@ def _size(rows: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(rows, 1))))
 
 
+def _plain_step(costs) -> float | None:
+    """Seconds of a step of plain batched decoding at this size: the faster of plain calls' measured step and the
+    loop's own AR rounds (the target alone over the same rows, measured beside the drafting options they are
+    compared with). Plain calls measured on a machine slowed for a while would otherwise flatter the loop (real
+    pair, B = 8: one run's plain step read 0.66 s against 0.50-0.55 s in others, and a loop call its rounds let
+    through ran 0.84x plain). None before a plain call."""
+    step = costs.plain_step.value
+    if not step:
+        return step
+    ar = costs.measured_rate(Option("ar"), toward=1.0 / step)  # one token a row a round; shrunk as the others
+    return min(step, 1.0 / ar) if ar > 0 else step
+
+
 def _plain_wins(costs, prompt_tokens: int, new_tokens: int) -> bool | None:
     """Whether plain batched decoding is predicted no slower than the loop for a call of these prompt and new
     tokens, from the whole calls measured on `costs` (None: plain or the loop not measured)."""
-    step, speedup = costs.plain_step.value, costs.loop_speedup.value
+    step, speedup = _plain_step(costs), costs.loop_speedup.value
     if not costs.loop_speedup.count or step is None or not speedup:
         return None
     plain_s = max(1, new_tokens - 1) * step  # the first token comes with the prefill, in both
@@ -518,7 +531,7 @@ def _prefill_draft(drafter: BatchDrafter, live: list[Row], costs) -> float:
 
 def _measure_call(costs, rows: list[Row], seconds: float, explored_s: float) -> None:
     """The loop's speedup over plain batched decoding in this call: plain's steps for the same output (until the
-    longest row ended; all rows each step) at its measured step time, over the loop's time after the prefill.
+    longest row ended; all rows each step) at its step time (`_plain_step`), over the loop's time after the prefill.
     Rounds run to explore are left out (their time, and their share of the output in plain's steps): a size's
     first loop call explores most, and judged whole it would condemn the loop where its chosen rounds pay. Calls
     add up until they hold VERDICT_MIN_STEPS steps (`CostModel.add_loop_call`); until then the next call at this
@@ -528,7 +541,7 @@ def _measure_call(costs, rows: list[Row], seconds: float, explored_s: float) -> 
     steps = (max(r.new for r in rows) - 1) * (chosen / after_prefill if after_prefill > 0 else 0.0)
     seconds -= explored_s
     with costs.lock:
-        step = costs.plain_step.value
+        step = _plain_step(costs)
         if steps > 0 and step is not None and seconds > 0:
             costs.add_loop_call(steps * step, seconds, steps, VERDICT_MIN_STEPS)
 
