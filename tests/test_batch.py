@@ -274,7 +274,10 @@ def test_a_batchs_stats_split_its_time_and_record_its_timeline(pair, layout, tmp
     assert all(e["t_request"] <= e["t_return"] <= e["t_verified"] for e in events)
     assert sum(e["accepted"] for e in events) == stats.accepted_tokens
     assert sum(e["n_candidates"] for e in events) == stats.proposed_tokens
-    assert any(e["hit"] for e in events) and not all(e["hit"] for e in events[1:])
+    # An event's hit: every row's candidates from a branch. Inline, the job drafts to its end before the verify;
+    # on its thread it races the verify (a tiny model's, a few ms): whether it wins is timing.
+    assert not all(e["hit"] for e in events[1:])
+    assert any(e["hit"] for e in events) or layout == "thread"
     assert 0 < stats.verify_time < stats.wall_time and stats.speculate_time > 0
     if layout == "thread":
         assert stats.overlap_time > 0 and stats.bubble_ratio < 1
@@ -597,13 +600,13 @@ def test_an_early_plain_verdict_is_tried_again_sooner_than_a_judged_one():
     assert judged == [True] * loop.PLAIN_REFRESH + [False]
 
 
-@pytest.mark.parametrize(("ar_s", "condemned"), [(None, False), (0.01, False), (0.02, False), (0.005, True)])
+@pytest.mark.parametrize(("ar_s", "condemned"), [(None, False), (0.01, False), (0.02, False), (0.004, True)])
 def test_the_loops_own_ar_rounds_stand_for_plain_decoding_where_they_ran_faster(ar_s, condemned):
     """The early verdict compares the loop's rounds with plain decoding's step, or with the loop's own AR rounds
     (the target alone over the same rows, measured in the same calls) where those ran faster: a plain call
     measured on a slowed machine must not let the loop through. AR rounds slower than plain's step change
-    nothing. Here SD's rounds ran 130 tokens a row per second once shrunk towards plain's 100; AR rounds of 5 ms
-    (165 a second once shrunk) leave SD within EARLY_MARGIN of them."""
+    nothing. Here SD's rounds ran 130 tokens a row per second once shrunk towards plain's 100; AR rounds of 4 ms
+    (198 a second once shrunk; SD's shrunk towards that, 204) leave SD within EARLY_MARGIN of them."""
     from hf_ssd.scheduling.schedule import Option, Prediction
 
     plan = fresh_plan()
@@ -620,10 +623,10 @@ def test_the_loops_own_ar_rounds_stand_for_plain_decoding_where_they_ran_faster(
     assert plan._condemned_early(4, 100, 64) is condemned
 
 
-@pytest.mark.parametrize("tokens, condemned", [(6, True), (11, False)])
+@pytest.mark.parametrize("tokens, condemned", [(5.6, True), (11, False)])
 def test_an_early_verdict_wants_the_loop_faster_than_plain_by_a_margin(tokens, condemned):
     """Before the whole-call verdict the loop's measured rounds must beat plain's step by EARLY_MARGIN: rounds
-    measured 5% faster than plain (6 tokens a row in 0.05 s, shrunk to 105 a second) condemn the loop; 30%
+    measured 3% faster than plain (5.6 tokens a row in 0.05 s, shrunk to 103 a second) condemn the loop; 30%
     faster (11 tokens: 130 a second) do not."""
     from hf_ssd.scheduling.schedule import Option, Prediction
 
@@ -634,6 +637,79 @@ def test_an_early_verdict_wants_the_loop_faster_than_plain_by_a_margin(tokens, c
     costs.add_round_outcome(Option("sd", 3), tokens, 0.05, Prediction(tokens=4.0, seconds=0.01))
     assert costs.measured_rate(Option("sd", 3), toward=100) == pytest.approx((tokens + 15) / 0.2)
     assert plan._condemned_early(4, 100, 64) is condemned
+
+
+@pytest.mark.parametrize(("straggle", "condemned"), [(None, False), (1.1, False), (1.3, True)])
+def test_an_early_verdict_scales_the_loops_rounds_by_the_calls_straggle(straggle, condemned):
+    """A call lasts until its slowest row ends, while a round's rate is a mean over its rows: the early verdict
+    divides the measured rate by the straggle loop calls measured at the size (here for calls as long as this
+    one's). Rounds 30% faster than plain (130 tokens a row per second once shrunk) stand at a straggle of 1.1 (118
+    a second, past EARLY_MARGIN) and fall at 1.3 (100 a second)."""
+    from hf_ssd.scheduling.schedule import Option, Prediction
+
+    plan = fresh_plan()
+    costs = plan.scheduler(4).costs
+    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
+    costs.add_round()
+    costs.add_round_outcome(Option("sd", 3), 11, 0.05, Prediction(tokens=4.0, seconds=0.01))
+    if straggle is not None:
+        costs.add_straggle(straggle, 63)  # measured in a call of 64 tokens, as the one judged
+        assert costs.straggle_at(63) == pytest.approx(straggle)
+    assert plan._condemned_early(4, 100, 64) is condemned
+
+
+def test_a_calls_straggle_is_its_time_over_its_rounds_rate_for_its_longest_row():
+    """Straggle: a call's time after the prefill over the time its rounds' rate (tokens a row per second, a mean
+    over each round's live rows) gives its longest row. Rows of 17 and 9 tokens (16 after the prefill) whose
+    rounds gave 12 tokens a row in 0.6 s (20 a second: 0.8 s for 16), in a call of 1.0 s: 1.25."""
+    costs = hf_ssd.scheduling.costs.CostModel(on_gpu=False, top_k=9, initial_acceptance=0.6)
+    rows = [loop.Row(index=i, ids=[], real=[], new=n) for i, n in enumerate((17, 9))]
+    loop._measure_call(costs, rows, 1.0, 0.0, (12.0, 0.6))
+    assert costs.straggle.count == 1 and costs.straggle_at(16) == pytest.approx(1.25)
+    # Where rows gain tokens at random, the slowest lags by about sqrt(n) rounds: the excess shrinks as sqrt(n).
+    assert costs.straggle_at(64) == pytest.approx(1.125) and costs.straggle_at(4) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("name", ["ar", "sd"])
+def test_a_loop_call_sums_its_rounds_tokens_a_row(pair, monkeypatch, name):
+    """What a loop call's straggle rests on: its decode rounds of its own size (3 or 4 rows live of 4), each
+    round's tokens over its live rows, summed, and their seconds. AR rounds give every row a token a round: the
+    longest row's tokens after the prefill exactly. Plain SD with a noisy draft: rows accept differently, and the
+    sum is over the rounds before the batch shrank to 2 rows."""
+    target, _, _ = pair
+    calls, rounds = [], []
+    measure_call, measure = loop._measure_call, loop._measure
+
+    def spy_call(costs, rows, seconds, explored_s, rated=(0.0, 0.0)):
+        calls.append((max(r.new for r in rows) - 1, rated))
+        return measure_call(costs, rows, seconds, explored_s, rated)
+
+    def spy_round(scheduler, stats, rnd, live, tokens, first, *args):
+        rounds.append((tokens / len(live), len(live), first))
+        return measure(scheduler, stats, rnd, live, tokens, first, *args)
+
+    monkeypatch.setattr(loop, "_measure_call", spy_call)
+    monkeypatch.setattr(loop, "_measure", spy_round)
+    draft = noisy_copy(target, 0.02)  # estimates of its own
+    ids, mask = padded_batch([5, 9, 7, 4], 21)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=SSDConfig(gamma=4, **QUIET), _ssd_hooks={"plain": False, **only(name)})
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    [(longest, (tokens, seconds))] = calls
+    assert longest == NEW - 1 and seconds > 0
+    assert tokens == pytest.approx(sum(t for t, live, first in rounds if live > 2 and not first))
+    if name == "ar":
+        assert tokens == pytest.approx(longest)
+    else:
+        assert any(live <= 2 for _, live, _ in rounds)  # the batch shrank: rows straggled
+    assert plan_costs(target, draft, 4).straggle.count == 1
+
+
+def plan_costs(target, draft, size: int):
+    """The pair's batch estimates at this size (thread layout, greedy)."""
+    found = [m for k, m in hf_ssd.scheduling.costs.estimates_of(target, draft) if k[2] == f"batch{size}:thread"]
+    assert len(found) == 1
+    return found[0]
 
 
 @pytest.mark.parametrize(("best", "predicted", "condemned"), [

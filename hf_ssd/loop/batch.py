@@ -57,10 +57,12 @@ BATCH_BRANCHES = 128
 PLAIN_REFRESH = 8  # after this many plain calls in a row at one batch size, one runs the loop (fresh estimates)
 EARLY_REFRESH = 2  # the same while the plain verdict is an early one (no whole loop call judged at the size yet)
 INFORMED_ROUNDS = 50  # rounds a smaller size's estimates need before a shrinking batch's rounds use them
-# Before its whole-call verdict the loop must beat plain decoding by this factor in the rounds measured: a round's
-# rate misses what a whole call pays (rows that end early leave rounds of few rows; the job beside the prompt
-# prefill). Real pair, B = 8: a warm-up's rounds measured 1.06-1.09x plain's rate; 64-token loop calls ran 0.7-0.92x.
-EARLY_MARGIN = 1.1
+# Before its whole-call verdict the loop must beat plain decoding by this factor in the rounds measured, once
+# scaled by the straggle measured (a call lasts until its slowest row ends; `CostModel.straggle_at`): a round's rate
+# misses the rest of what a whole call pays (the job beside the prompt prefill). It was 1.1 before the straggle was
+# measured; real pair, B = 8: a warm-up's rounds measured 1.06-1.11x plain's rate, 64-token loop calls ran
+# 0.76-0.92x; B = 4: rounds 1.27-1.38x, a 16-token call's straggle 1.21, loop calls 1.25-1.6x.
+EARLY_MARGIN = 1.05
 # An early verdict from measured rounds is overruled where the model's best option is of a family not measured
 # and, scaled by how the measured options fared against its predictions, this much faster than plain decoding
 # per row: an idle accelerator's batch of 2 or 4 (simulated device: model 1.45x for b = 8, measured 0.95-1.05x
@@ -196,19 +198,24 @@ class BatchPlan:
         prompt = sum(len(r.real) for r in rows)
         with costs.lock:
             plain = _plain_wins(costs, prompt, new_tokens)
-            judged = plain is not None
+            judged, why = plain is not None, "whole calls measured"
             if not judged and costs.plain_step.count == 0:
-                plain = True  # a new size: plain first, measured
+                plain, why = True, "a new size: plain first, measured"
             elif not judged:
                 judged = self._smaller_says_plain(size, prompt, new_tokens)
                 plain = judged or self._condemned_early(len(rows), prompt, new_tokens)
+                why = "a smaller size's verdict" if judged else "early verdict from the rounds measured"
                 costs.plain_verdict = plain
             costs.plain_streak = costs.plain_streak + 1 if plain else 0
             # An early verdict rests on a few rounds (a warm-up call's, perhaps slowed), and plain calls measure
             # no loop rounds to revise it: it is tried again sooner than a judged one (real pair, B = 2: a warm-up
             # condemned the loop, and 8 calls in a row then ran plain at 0.99x where the loop ran 1.77-1.79x).
             if costs.plain_streak > (PLAIN_REFRESH if judged else EARLY_REFRESH):
-                costs.plain_streak, plain = 0, False
+                costs.plain_streak, plain, why = 0, False, "refresh after plain calls in a row"
+            logger.debug("hf_ssd: %d rows x %d new tokens: %s (%s; plain step %s s, loop speedup %s, straggle %s)",
+                         len(rows), new_tokens, "plain batched decoding" if plain else "the loop", why,
+                         _fmt(_plain_step(costs)), _fmt(costs.loop_speedup.value),
+                         _fmt(costs.straggle_at(new_tokens - 1)))
         return plain
 
     def _smaller_says_plain(self, size: int, prompt_tokens: int, new_tokens: int) -> bool:
@@ -244,9 +251,10 @@ class BatchPlan:
             return False
         steps = max(1, new_tokens - 1)  # the first token comes with the prefill, in both
         prefill_s = costs.draft_prefill.predict(prompt_tokens) or 0.0
+        straggle = costs.straggle_at(steps)  # plain decoding has none
 
         def slower(rate: float) -> bool:  # tokens a row per second
-            return rate <= 0 or (prefill_s + steps / rate) * EARLY_MARGIN >= steps * step
+            return rate <= 0 or (prefill_s + steps * straggle / rate) * EARLY_MARGIN >= steps * step
 
         # Each option's rate shrunk towards plain's (drafting gains nothing): a size's first loop call runs most
         # options for a round or two, and the best of a dozen one-round rates is a lucky one.
@@ -255,6 +263,10 @@ class BatchPlan:
         with costs.frozen():
             best_option, best = scheduler.best()
             predicted = {o: scheduler.predict(o) for o in measured}
+        logger.debug("hf_ssd: early verdict at %d rows: plain step %.3f s, straggle %.2f, draft prefill %.2f s; "
+                     "per-row rate over plain's: model's best %s %.2f, measured %s", rows, step, straggle, prefill_s,
+                     best_option, (best.rate if best is not None else 0.0) * step,
+                     {str(o): round(r * step, 2) for o, r in measured.items()})
         if best is not None and slower(best.rate):
             return True
         if not measured or not slower(max(measured.values())):
@@ -268,7 +280,7 @@ class BatchPlan:
         if best is None or not fared or best_option.family in {o.family for o in measured}:
             return True
         scale = min(1.0, sum(m for m, _ in fared) / sum(r for _, r in fared))
-        return best.rate * scale < EARLY_OVERRULE / step
+        return best.rate * scale / straggle < EARLY_OVERRULE / step
 
     def _nearest_smaller(self, size: int) -> tuple[int, object] | None:
         """(batch size, CostModel) of this pair's estimates with a verdict (a judged loop call, or an early
@@ -287,6 +299,10 @@ class BatchPlan:
                     and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul)):
                 out[int(name[len("batch"):-len(self.layout) - 1])] = costs
         return out
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _size(rows: int) -> int:
@@ -416,6 +432,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     call_costs = plan.scheduler(len(rows)).costs  # the call's verdict on plain decoding is kept at its batch size
     share = len(rows) if plan.auto_budgets else 0  # rows whose job branches the live rows share (`_job_budget`)
     first, nxt, decoding = True, None, None
+    rated = [0.0, 0.0]  # the decode rounds of the call's size: tokens a row as rates count them, seconds
     try:
         with speculator.on_critical_path():
             draft_prefill_s = _prefill_draft(drafter, live, call_costs)
@@ -448,6 +465,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0, t3 - t2, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
             _measure(own, stats, rnd, live, sum(kept), first, do_sample, calibration)
+            if not first and _size(len(live)) == _size(len(rows)):
+                rated[0] += sum(kept) / len(live)
+                rated[1] += rnd.draft_s + rnd.verify_s + rnd.overhead_s
             _record(stats, rnd, len(live), ssd_config.record_timeline)
             first = False
             live = _leave(live, target, drafter)
@@ -461,7 +481,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     speculator.close()
     stats.intervals["speculate"] = list(speculator.busy)
     if decoding is not None:
-        _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds)
+        _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds, rated)
     stats.rows = [r.stats() for r in rows]
     stats.draft_forwards = drafter.kv.forwards
     width = max(len(r.ids) for r in rows)
@@ -529,19 +549,30 @@ def _prefill_draft(drafter: BatchDrafter, live: list[Row], costs) -> float:
     return seconds
 
 
-def _measure_call(costs, rows: list[Row], seconds: float, explored_s: float) -> None:
+def _measure_call(costs, rows: list[Row], seconds: float, explored_s: float, rated=(0.0, 0.0)) -> None:
     """The loop's speedup over plain batched decoding in this call: plain's steps for the same output (until the
     longest row ended; all rows each step) at its step time (`_plain_step`), over the loop's time after the prefill.
     Rounds run to explore are left out (their time, and their share of the output in plain's steps): a size's
     first loop call explores most, and judged whole it would condemn the loop where its chosen rounds pay. Calls
     add up until they hold VERDICT_MIN_STEPS steps (`CostModel.add_loop_call`); until then the next call at this
-    size runs the loop again."""
+    size runs the loop again.
+
+    Also the call's straggle: its time after the prefill over what its rounds at its own size predict for it, the
+    longest row's tokens at their rate (`rated`: their tokens a row, each round's over its live rows, and their
+    seconds). A rate measured per round is a mean over the round's rows, and a call lasts until its slowest row
+    ends, through rounds of fewer rows (real pair, B = 8: rounds at 1.06-1.11x plain's rate, calls at
+    0.76-0.86x); the early verdict scales its predicted call by it (`BatchPlan._condemned_early`)."""
     after_prefill = sum(r.new for r in rows) - len(rows)  # each row's first token came with the prefill
     chosen = after_prefill - sum(r.explored_new for r in rows)
-    steps = (max(r.new for r in rows) - 1) * (chosen / after_prefill if after_prefill > 0 else 0.0)
-    seconds -= explored_s
+    longest = max(r.new for r in rows) - 1
+    steps = longest * (chosen / after_prefill if after_prefill > 0 else 0.0)
     with costs.lock:
-        step = _plain_step(costs)
+        if longest > 0 and rated[0] > 0 and rated[1] > 0:
+            at_rate = longest * rated[1] / rated[0]
+            costs.add_straggle(seconds / at_rate, longest)
+            logger.debug("hf_ssd: loop call of %d rows: %.2f s after the prefill, %.2f s at its rounds' rate",
+                         len(rows), seconds, at_rate)
+        step, seconds = _plain_step(costs), seconds - explored_s
         if steps > 0 and step is not None and seconds > 0:
             costs.add_loop_call(steps * step, seconds, steps, VERDICT_MIN_STEPS)
 
