@@ -765,6 +765,24 @@ def test_a_larger_batch_keeps_the_plain_verdict_of_the_nearest_smaller_size():
     assert not plan.plain(rows16, 64)
 
 
+@pytest.mark.parametrize(("speedup", "plain"), [(1.3, False), (0.9, True)])
+def test_a_larger_batch_follows_the_smaller_sizes_measured_speedup_not_its_verdict_on_the_call(speedup, plain):
+    """A smaller size's judged verdict counts for a larger size through its loop's measured speedup over plain
+    decoding: a short call that the smaller size runs plain (the draft's prefill not repaid in 16 tokens) does
+    not keep the larger size from measuring the loop where the smaller size's loop decodes faster; where it
+    decodes slower, the larger size runs plain."""
+    plan = fresh_plan()
+    small, large = plan.scheduler(4).costs, plan.scheduler(8).costs
+    for costs in (small, large):
+        costs.add_plain_step(0.01)  # each size's first call, plain, measured
+    small.add_draft_prefill(400, 0.5)  # 1.25 ms a prompt token
+    small.add_loop_call(speedup * 0.5, 0.5, 50, loop.VERDICT_MIN_STEPS)  # judged: `speedup` x plain
+    rows4 = loop._rows(torch.ones(4, 100, dtype=torch.long), None)
+    rows8 = loop._rows(torch.ones(8, 100, dtype=torch.long), None)
+    assert plan.plain(rows4, 16)  # 15 steps: 0.15 s of plain against the draft's 0.5 s prefill
+    assert plan.plain(rows8, 16) is plain  # no loop rounds at 8 rows yet: the loop runs, measured
+
+
 def test_plain_decoding_is_not_chosen_where_drafting_pays():
     """The opposite device: a verify costs the same at any number of candidates (memory-bound) and drafting is
     cheap, so SD beats AR: after the first call (plain decoding, measured), every call runs the loop."""

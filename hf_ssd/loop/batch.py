@@ -202,7 +202,7 @@ class BatchPlan:
             if not judged and costs.plain_step.count == 0:
                 plain, why = True, "a new size: plain first, measured"
             elif not judged:
-                judged = self._smaller_says_plain(size, prompt, new_tokens)
+                judged = self._smaller_says_plain(size)
                 plain = judged or self._condemned_early(len(rows), prompt, new_tokens)
                 why = "a smaller size's verdict" if judged else "early verdict from the rounds measured"
                 costs.plain_verdict = plain
@@ -218,18 +218,21 @@ class BatchPlan:
                          _fmt(costs.straggle_at(new_tokens - 1)))
         return plain
 
-    def _smaller_says_plain(self, size: int, prompt_tokens: int, new_tokens: int) -> bool:
-        """Whether the largest smaller size with a verdict (its whole loop calls judged, or else its early one)
-        chose plain decoding: adding rows only makes a verify more compute-bound. Its refresh is then as rare as
-        a judged verdict's (real pair: B = 8 condemned the loop early, and B = 16, left to the rounds of its one
-        16-token loop call, ran a 64-token loop call at 0.86x plain)."""
+    def _smaller_says_plain(self, size: int) -> bool:
+        """Whether the largest smaller size with a verdict found the loop's decoding no faster than plain's: its
+        whole loop calls' speedup, or else its early verdict. Adding rows only makes a verify more compute-bound.
+        Its refresh is then as rare as a judged verdict's (real pair: B = 8 condemned the loop early, and B = 16,
+        left to the rounds of its one 16-token loop call, ran a 64-token loop call at 0.86x plain). The speedup,
+        not the smaller size's verdict on this call: that one counts the draft's prefill against the call's new
+        tokens, and a short call's plain verdict at B = 4 (whose loop decoded 1.3x plain) kept B = 8's 16-token
+        call from measuring the loop, so that its first 64-token call did, at 0.83x."""
         nearest = self._nearest_smaller(size)
         if nearest is None:
             return False
-        at, other = nearest
+        _, other = nearest
         with other.lock:
             if other.loop_speedup.count:
-                return bool(_plain_wins(other, prompt_tokens * at // size, new_tokens))
+                return other.loop_speedup.value <= 1.0
             return bool(other.plain_verdict)
 
     def _condemned_early(self, rows: int, prompt_tokens: int, new_tokens: int) -> bool:
