@@ -742,6 +742,32 @@ def test_rounds_measured_slower_are_overruled_where_the_models_best_option_clear
     assert plan._condemned_early(4, 100, 64) is condemned
 
 
+@pytest.mark.parametrize(("overlapped_s", "condemned"), [(None, False), (0.0105, False), (0.013, True)])
+def test_the_overrule_wants_a_verify_that_the_jobs_measured_left_unslowed(monkeypatch, overlapped_s, condemned):
+    """The overrule trusts the model's wider fan-outs only where the hardware is idle for the job: the verify
+    beside the jobs measured ran about as fast as alone (1.05x here, an accelerator). Where it ran 1.3x slower
+    (CPU cores shared by both), a wider job would slow it more than the model assumes: the verdict stands."""
+    from hf_ssd.scheduling.schedule import Option, Prediction, Scheduler
+
+    plan = fresh_plan()
+    scheduler = plan.scheduler(4)
+    costs = scheduler.costs
+    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
+    costs.add_round()
+    measured = [Option("sd", 3), Option("ssd", 3, 1)]
+    for o in measured:  # 95 a second once shrunk towards plain's 100
+        costs.add_round_outcome(o, 4, 0.05, Prediction(tokens=4.0, seconds=0.01))
+    costs.add_verify(3, 0.01, None)  # plain SD's verify of 3 candidates
+    if overlapped_s is not None:
+        costs.add_verify(3, overlapped_s, 1)  # the same beside a job of one branch a row
+    assert costs.interference() == (None if overlapped_s is None else pytest.approx(overlapped_s / 0.01))
+    monkeypatch.setattr(Scheduler, "best", lambda self, predictions=None: (Option("ssd", 4, 16),
+                                                                            Prediction(150.0, 1.0)))
+    monkeypatch.setattr(Scheduler, "predict", lambda self, o, *a: Prediction(100.0, 1.0) if o in measured
+                        else None)
+    assert plan._condemned_early(4, 100, 64) is condemned
+
+
 def test_a_larger_batch_keeps_the_plain_verdict_of_the_nearest_smaller_size():
     """A size whose own rounds would leave the call to the loop runs plain when the largest smaller size with a
     verdict chose plain (there an early one: its rounds condemned the loop), and refreshes that as rarely as a

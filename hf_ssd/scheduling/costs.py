@@ -608,6 +608,13 @@ class CostModel:
             return alone * max(1.0, fit.predict(n) / max(self.verify_alone.predict(n), 1e-9))
         return alone
 
+    def interference(self) -> float | None:
+        """The verify's slowdown measured beside a speculation job: its time overlapped over its time alone, at
+        the candidate counts measured both ways, the largest over the budgets measured (None before any)."""
+        ratios = [fit.points[n].value / alone for fit in self.verify_overlapped.values() for n in fit.points
+                  if n in self.verify_alone.points and (alone := self.verify_alone.points[n].value)]
+        return max(ratios, default=None)
+
     def overhead_for(self, budget: int) -> float:
         e = self._nearest(self.overhead, budget)
         return e.value if e is not None and e.value is not None else 0.0
