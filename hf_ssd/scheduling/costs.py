@@ -428,7 +428,7 @@ class CostModel:
 
     def straggle_at(self, tokens: int) -> float:
         """A loop call's predicted time over its longest row's `tokens` at its rounds' rate (1: none measured).
-        Real pair at B = 4: 1.21 in 16-token calls, 1.08-1.14 in 64-token ones."""
+        Real pair at B = 4: 1.21 in 16-token calls, 1.08-1.34 in 64-token ones."""
         if not self.straggle.count or tokens <= 0:
             return 1.0
         return 1.0 + self.straggle.value / math.sqrt(tokens)
