@@ -724,22 +724,38 @@ def test_rounds_measured_slower_are_overruled_where_the_models_best_option_clear
     loop early unless the option the model rates best is of a family not measured and, scaled by how the measured
     options fared against its predictions, beats plain's step by EARLY_OVERRULE (an idle accelerator's small
     batch: the wide fan-outs the first call never ran win)."""
-    from hf_ssd.scheduling.schedule import Option, Prediction, Scheduler
+    from hf_ssd.scheduling.schedule import Option
+
+    plan, costs, measured = rounds_slower_than_plain()
+    for o in measured:  # 95 a second once shrunk towards plain's 100 (4 tokens in 0.05 s, then 3 rounds of 0.05 s)
+        assert costs.measured_rate(o, toward=100) == pytest.approx(95)
+    model_rates(monkeypatch, measured, Option("sd", 5) if best == 300.0 else Option("ssd", 4, 16), best, predicted)
+    assert plan._condemned_early(4, 100, 64) is condemned
+
+
+def rounds_slower_than_plain():
+    """(plan, its 4-row costs, the options measured): plain's step measured at 10 ms (100 tokens a row per
+    second), plain SD and the narrowest SSD each one round at 95 a second once shrunk towards plain's rate."""
+    from hf_ssd.scheduling.schedule import Option, Prediction
 
     plan = fresh_plan()
-    scheduler = plan.scheduler(4)
-    costs = scheduler.costs
-    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
+    costs = plan.scheduler(4).costs
+    costs.add_plain_step(0.01)
     costs.add_round()
     measured = [Option("sd", 3), Option("ssd", 3, 1)]
-    for o in measured:  # 95 a second once shrunk towards plain's 100 (4 tokens in 0.05 s, then 3 rounds of 0.05 s)
+    for o in measured:
         costs.add_round_outcome(o, 4, 0.05, Prediction(tokens=4.0, seconds=0.01))
-        assert costs.measured_rate(o, toward=100) == pytest.approx(95)
-    pick = Option("sd", 5) if best == 300.0 else Option("ssd", 4, 16)
-    monkeypatch.setattr(Scheduler, "best", lambda self, predictions=None: (pick, Prediction(best, 1.0)))
+    return plan, costs, measured
+
+
+def model_rates(monkeypatch, measured, best_option, best: float, predicted: float) -> None:
+    """The per-round model's view, fixed: `best_option` best at `best` tokens a row per second, each measured
+    option at `predicted`, every other option unknown."""
+    from hf_ssd.scheduling.schedule import Prediction, Scheduler
+
+    monkeypatch.setattr(Scheduler, "best", lambda self, predictions=None: (best_option, Prediction(best, 1.0)))
     monkeypatch.setattr(Scheduler, "predict", lambda self, o, *a: Prediction(predicted, 1.0) if o in measured
                         else None)
-    assert plan._condemned_early(4, 100, 64) is condemned
 
 
 @pytest.mark.parametrize(("overlapped_s", "condemned"), [(None, False), (0.0105, False), (0.013, True)])
@@ -747,24 +763,14 @@ def test_the_overrule_wants_a_verify_that_the_jobs_measured_left_unslowed(monkey
     """The overrule trusts the model's wider fan-outs only where the hardware is idle for the job: the verify
     beside the jobs measured ran about as fast as alone (1.05x here, an accelerator). Where it ran 1.3x slower
     (CPU cores shared by both), a wider job would slow it more than the model assumes: the verdict stands."""
-    from hf_ssd.scheduling.schedule import Option, Prediction, Scheduler
+    from hf_ssd.scheduling.schedule import Option
 
-    plan = fresh_plan()
-    scheduler = plan.scheduler(4)
-    costs = scheduler.costs
-    costs.add_plain_step(0.01)  # plain: 100 tokens a row per second
-    costs.add_round()
-    measured = [Option("sd", 3), Option("ssd", 3, 1)]
-    for o in measured:  # 95 a second once shrunk towards plain's 100
-        costs.add_round_outcome(o, 4, 0.05, Prediction(tokens=4.0, seconds=0.01))
+    plan, costs, measured = rounds_slower_than_plain()
     costs.add_verify(3, 0.01, None)  # plain SD's verify of 3 candidates
     if overlapped_s is not None:
         costs.add_verify(3, overlapped_s, 1)  # the same beside a job of one branch a row
     assert costs.interference() == (None if overlapped_s is None else pytest.approx(overlapped_s / 0.01))
-    monkeypatch.setattr(Scheduler, "best", lambda self, predictions=None: (Option("ssd", 4, 16),
-                                                                            Prediction(150.0, 1.0)))
-    monkeypatch.setattr(Scheduler, "predict", lambda self, o, *a: Prediction(100.0, 1.0) if o in measured
-                        else None)
+    model_rates(monkeypatch, measured, Option("ssd", 4, 16), 150.0, 100.0)
     assert plan._condemned_early(4, 100, 64) is condemned
 
 
