@@ -12,6 +12,7 @@ model that was never enabled raises an error naming `hf_ssd.enable` instead of t
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -21,6 +22,7 @@ import weakref
 
 import torch
 from transformers import GenerationMixin
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 from .config import SSDConfig
 from .drafting.kvcache import check_draft, stateful_reason
@@ -137,8 +139,10 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     draft = kwargs.get("assistant_model")
     hooks = kwargs.pop("_ssd_hooks", None)
     rows = _batch_size(args, kwargs)
-    # One prompt runs transformers' assisted loop with hf_ssd's candidate generator, which still serves settings
-    # the batch loop lacks; the `loop` hook sends it through the batch loop (tests and benchmarks of that path).
+    # One prompt runs transformers' assisted loop with hf_ssd's candidate generator: at B = 1 on the real pair the
+    # loop gained 1.12x over the target alone where it gained 1.21x (docs/performance.md, session 20), and it lacks
+    # its confidence-stopped drafts and one-prompt settings
+    # (`_one_prompt_config`). The `loop` hook sends one prompt through the loop ("batch"; tests and benchmarks).
     batch_path = rows > 1 or (hooks or {}).get("loop") == "batch"
     _validate_call(model, draft, args, kwargs, batch_path)
     layout = resolve_layout(config.layout, model, draft)
@@ -176,6 +180,57 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
         }
     with _stats_lock:
         _last_stats[model] = stats
+    _warn_hit_rate(config, stats)
+    if hasattr(out, "sequences"):
+        out.ssd_stats = stats
+    return out
+
+
+def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: float, layout: str, hooks):
+    """B > 1: hf_ssd's own loop (loop/batch.py) as transformers' `custom_generate`; transformers prepares the
+    inputs, processors and stopping criteria, and the loop runs AR or plain SD rounds over all rows."""
+    stats = SSDStats(layout=layout, schedule=config.schedule, draft_path="batched")
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "assistant_tokenizer")}
+    # transformers hands a callable neither the draft nor the streamer: the loop gets them bound.
+    decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats,
+                               ssd_layout=layout, ssd_hooks=hooks, ssd_streamer=kwargs.pop("streamer", None))
+    _stop_strings_as_criteria(model, kwargs)
+    if getattr(_active, "call", None) is not None:
+        raise SSDUsageError("generate(ssd_config=...) is not re-entrant on one thread.")
+    stats.setup_time = time.perf_counter() - start
+    _active.call = {"model": model}
+    try:
+        with thread_settings(layout, config, model), draft_matmul(draft, config.draft_matmul, model):
+            out = type(model).generate(model, *args, custom_generate=decode, **kwargs)
+    finally:
+        _active.call = None
+    iv = stats.intervals  # the loop's (loop/batch.py `_record`) or plain decoding's
+    stats.finalize((start, time.perf_counter()), iv.get("verify", []), iv.get("fallback", []) + iv.get("speculate", []))
+    with _stats_lock:
+        _last_stats[model] = stats
+    _warn_hit_rate(config, stats)
+    if hasattr(out, "sequences"):
+        out.ssd_stats = stats
+    return out
+
+
+def _stop_strings_as_criteria(model, kwargs) -> None:
+    """transformers gives a `custom_generate` callable's stopping criteria no tokenizer (it takes the caller's out
+    before it builds them), so stop strings would fail there: they go in as the criterion transformers would build."""
+    passed = kwargs.get("generation_config")
+    strings = kwargs.get("stop_strings") or getattr(passed or model.generation_config, "stop_strings", None)
+    if not strings or kwargs.get("tokenizer") is None:
+        return  # none, or transformers' own error (stop strings need the tokenizer)
+    kwargs["stopping_criteria"] = StoppingCriteriaList(
+        [*(kwargs.get("stopping_criteria") or []), StopStringCriteria(kwargs["tokenizer"], strings)])
+    kwargs.pop("stop_strings", None)
+    if getattr(passed or model.generation_config, "stop_strings", None):
+        kwargs["generation_config"] = copy.deepcopy(passed or model.generation_config)
+        kwargs["generation_config"].stop_strings = None
+
+
+def _warn_hit_rate(config: SSDConfig, stats: SSDStats) -> None:
+    """The warning of a call whose speculation cache hit less than `config.hit_rate_warning` of its lookups."""
     if (
         config.hit_rate_warning > 0
         and stats.lookups >= 4
@@ -192,29 +247,6 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
             "hf_ssd: speculation cache hit rate %.0f%% is under %.0f%% (%d/%d). %s",
             100 * stats.hit_rate, 100 * config.hit_rate_warning, stats.cache_hits, stats.lookups, advice,
         )
-    if hasattr(out, "sequences"):
-        out.ssd_stats = stats
-    return out
-
-
-def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: float, layout: str, hooks):
-    """B > 1: hf_ssd's own loop (loop/batch.py) as transformers' `custom_generate`; transformers prepares the
-    inputs, processors and stopping criteria, and the loop runs AR or plain SD rounds over all rows."""
-    stats = SSDStats(layout="batch", schedule=config.schedule, draft_path="batched")
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "assistant_tokenizer")}
-    # transformers hands a callable neither the draft nor the streamer: the loop gets them bound.
-    decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats,
-                               ssd_layout=layout, ssd_hooks=hooks, ssd_streamer=kwargs.pop("streamer", None))
-    stats.setup_time = time.perf_counter() - start
-    with draft_matmul(draft, config.draft_matmul, model):
-        out = type(model).generate(model, *args, custom_generate=decode, **kwargs)
-    iv = stats.intervals  # the loop's (loop/batch.py `_record`) or plain decoding's
-    stats.finalize((start, time.perf_counter()), iv.get("verify", []), iv.get("fallback", []) + iv.get("speculate", []))
-    with _stats_lock:
-        _last_stats[model] = stats
-    if hasattr(out, "sequences"):
-        out.ssd_stats = stats
-    return out
 
 
 def _option_rounds(stats: SSDStats) -> str:
@@ -291,8 +323,7 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
         raise SSDUsageError(f"A streamer takes one sequence; this batch has {rows}. Remove streamer= (or "
                             "generate the prompts one at a time to stream each).")
     if batch_path:
-        asked = [k for k in ("output_attentions", "output_hidden_states")
-                 if kwargs.get(k, getattr(gen_config, k, False))]
+        asked = _internals_asked(model, kwargs)
         if asked:
             raise SSDUsageError(f"Batched SSD calls (here {rows} sequences) return sequences, scores and logits "
                                 f"only; remove {', '.join(asked)} (or generate one prompt at a time, which returns "
@@ -318,16 +349,28 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
 # SSDConfig fields that only single-prompt calls use (the speculation cache, deeper pipelines, the static
 # draft path, Saguaro sampling, ...), with their defaults: a batch refuses other values rather than ignore them.
 _ONE_PROMPT_ONLY = {"pipeline_depth": 1, "saguaro_c": None, "max_outcomes": None, "cache_size": 64,
-                    "eviction": "probability", "static_draft": None, "cuda_graphs": None, "cpu_threads": None}
+                    "eviction": "probability", "static_draft": None, "cuda_graphs": None}
 
 
-def _check_batch_config(config: SSDConfig, rows: int) -> None:
+def _one_prompt_config(config: SSDConfig) -> list[str]:
+    """The settings of `config` that only the single-prompt path serves."""
     odd = [f"{name}={getattr(config, name)!r}" for name, default in _ONE_PROMPT_ONLY.items()
            if getattr(config, name) != default]
     if isinstance(config.fanout, list):
         odd.append("fanout=[...] (a list)")
     if config.fallback == "ngram":
         odd.append("fallback='ngram'")
+    return odd
+
+
+def _internals_asked(model, kwargs) -> list[str]:
+    """Per-step model internals asked for, which only the single-prompt path returns."""
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    return [k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k, getattr(gen_config, k, False))]
+
+
+def _check_batch_config(config: SSDConfig, rows: int) -> None:
+    odd = _one_prompt_config(config)
     if odd:
         raise SSDUsageError(
             f"{', '.join(odd)}: {'this setting serves' if len(odd) == 1 else 'these settings serve'} one prompt at "

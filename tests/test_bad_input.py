@@ -255,14 +255,15 @@ def test_encoder_decoder_target():
         t5.generate(PROMPT, assistant_model=t5, max_new_tokens=4, ssd_config=SSDConfig())
 
 
-def test_nested_ssd_generate_on_one_thread(target, draft):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_nested_ssd_generate_on_one_thread(target, draft, rows):
     class Nested(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             _gen(target, draft)
-            return torch.zeros(1, dtype=torch.bool)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     with expect(SSDUsageError, MESSAGES["reentrant"]):
-        _gen(target, draft, stopping_criteria=StoppingCriteriaList([Nested()]))
+        _gen(target, draft, prompt=PROMPT.repeat(rows, 1), stopping_criteria=StoppingCriteriaList([Nested()]))
     assert torch.equal(_gen(target, draft), target.generate(PROMPT, max_new_tokens=4, do_sample=False))
 
 

@@ -9,10 +9,14 @@ different acceptance. Users: pipelines with batch_size, clear errors for what ba
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 import transformers as tf
 from conftest import make_model, noisy_copy
+from test_edges import text_of, tiny_tokenizer
 from test_families import build
 from test_sampling import GEN, L, N, assert_matches_target, exact_joint, sampling_pair
 
@@ -253,7 +257,7 @@ def test_batched_stats_say_what_ran(pair):
     out = target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=NEW,
                           ssd_config=config, _ssd_hooks=hooks, return_dict_in_generate=True)
     stats = out.ssd_stats
-    assert stats is hf_ssd.last_stats(target) and stats.layout == "batch"
+    assert stats is hf_ssd.last_stats(target) and stats.layout == "thread"  # on CPU cores (layout "auto")
     assert set(stats.options) == {"prefill", "sd(g=3)"}  # the prompts' prefill (draft and target), then SD
     assert stats.lookups == 0  # no speculation ran
     assert stats.wall_time > 0 and stats.tokens_per_second > 0
@@ -472,6 +476,81 @@ def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):
         target.generate(ids, attention_mask=mask, assistant_model=close, max_new_tokens=4,
                         ssd_config=SSDConfig(**kw))
     target.generate(ids[:1], assistant_model=close, max_new_tokens=4, ssd_config=SSDConfig(**kw, **QUIET))
+
+
+def test_stop_strings_end_each_row_where_the_target_ends_it(pair):
+    """transformers builds a `custom_generate` callable's stopping criteria without the caller's tokenizer; the
+    stop strings still reach the loop, which checks each new token as the target's own loop does."""
+    target, close, _ = pair
+    ids, mask = padded_batch([4, 7, 5], 3)
+    # An EOS id that never comes: transformers pads a row after its stop only where it has one.
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=1)
+    free = target.generate(ids, **kw)
+    stop = text_of([int(free[0, ids.shape[1] + NEW // 2])])  # row 0 stops half-way at the latest
+    kw.update(stop_strings=[stop], tokenizer=tiny_tokenizer())
+    want = target.generate(ids, **kw)
+    assert int((want[0, ids.shape[1]:] == target.generation_config.pad_token_id).sum()) > 0  # row 0 did stop early
+    for config, hooks in (CONFIGS["ssd_g3_b1"], CONFIGS["auto"]):
+        out = target.generate(ids, assistant_model=close, ssd_config=config, _ssd_hooks=hooks, **kw)
+        assert torch.equal(out, want)
+
+
+def test_fan_out_wider_than_the_vocabulary(pair):
+    """A 6-token vocabulary has fewer top tokens than a job's late branches rank (it raised IndexError)."""
+    target, draft = sampling_pair()
+    ids = torch.tensor([[2, 3], [4, 5]])
+    config = SSDConfig(gamma=2, fanout_budget=16, schedule="fixed", layout="inline", **QUIET)
+    for do_sample in (False, True):
+        out = target.generate(ids, assistant_model=draft, do_sample=do_sample, max_new_tokens=8, ssd_config=config)
+        assert out.shape == (2, 10) and int(out.max()) < 6
+        if not do_sample:
+            assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=8))
+    assert hf_ssd.last_stats(target).cache_hits > 0
+
+
+def test_a_batch_that_seldom_hits_warns(pair, caplog):
+    """The hit-rate warning of one prompt's calls, for a batch's lookups too; not below the threshold."""
+    target, close, _ = pair
+    random_draft = make_model(77, attn="sdpa")  # unrelated weights: almost every lookup misses
+    ids, mask = padded_batch([4, 6], 4)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    for draft, warned in ((random_draft, True), (close, False)):
+        caplog.clear()
+        config = SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout="inline", hit_rate_warning=0.6)
+        with caplog.at_level(logging.WARNING, logger="hf_ssd"):
+            out = target.generate(ids, assistant_model=draft, ssd_config=config, **kw)
+        assert torch.equal(out, target.generate(ids, **kw))
+        stats = hf_ssd.last_stats(target)
+        assert stats.lookups >= 4 and (stats.hit_rate < 0.6) == warned
+        assert ("hit rate" in caplog.text) == warned, caplog.text
+
+
+def test_cpu_threads_set_both_sides_and_are_restored(pair):
+    """cpu_threads (thread layout): the verify on the caller's thread and the job on the speculator's (which takes
+    the setting in force when it starts) run with that many torch threads each; the caller's is back after."""
+    target, close, _ = pair
+    before = torch.get_num_threads()
+    seen = []
+
+    def record(module, args):
+        seen.append((module is target, threading.current_thread().name, torch.get_num_threads()))
+
+    handles = [m.register_forward_pre_hook(record) for m in (target, close)]
+    ids, mask = padded_batch([4, 6], 2)
+    config = SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout="thread", cpu_threads=1, **QUIET)
+    try:
+        torch.set_num_threads(2)
+        out = target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=NEW,
+                              ssd_config=config)
+        assert torch.get_num_threads() == 2
+    finally:
+        for h in handles:
+            h.remove()
+        torch.set_num_threads(before)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW))
+    assert {n for is_target, _, n in seen if is_target} == {1}
+    job = {n for _, name, n in seen if name == "hf_ssd-speculator"}
+    assert job == {1}
 
 
 def no_ssd(options):

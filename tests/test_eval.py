@@ -344,7 +344,7 @@ def test_batched_completions_equal_batch_one_and_the_target_alone(batched, basel
     assert 0 < sum(len(t) < MAX_NEW for t in ids) < len(ids)  # rows that ended at EOS inside a longer batch
     for r in got:
         assert r["batch_size"] == 4 and r["batch_start"] == 4 * (r["index"] // 4) and r["method"] == "ssd"
-        assert r["seconds"] == r["batch_seconds"] > 0 and r["layout"] == "batch" and r["hit_rate"] is None
+        assert r["seconds"] == r["batch_seconds"] > 0 and r["layout"] == "thread" and r["hit_rate"] is None
         assert r["rounds"] >= 1 and 0 <= r["accepted_tokens"] <= r["proposed_tokens"]
         if r["proposed_tokens"]:
             assert r["acceptance_rate"] == pytest.approx(r["accepted_tokens"] / r["proposed_tokens"])

@@ -2,7 +2,8 @@
 the background speculator never outlives the call; the same models then generate exactly again.
 
 Faults are injected with the speculator's test hooks (`_ssd_hooks={"predict" | "draft" | "insert": fn}`), with
-forward hooks on the models, and with stopping criteria and streamers that raise in the main thread.
+forward hooks on the models, and with stopping criteria and streamers that raise in the main thread; on both
+paths a prompt can take (`ROUTES`: transformers' assisted loop with hf_ssd's generator, and hf_ssd's own loop).
 """
 
 from __future__ import annotations
@@ -48,16 +49,26 @@ def reference(target):
     return target.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
 
 
-def ssd(target, draft, **kw):
-    # An explicit layout keeps the speculator running under the scheduler (it tunes only the fan-out budget).
+# The two paths a prompt can take (`_ssd_hooks["loop"]`): transformers' assisted loop with hf_ssd's candidate
+# generator (where an explicit layout keeps the speculator running: the scheduler tunes only the fan-out budget),
+# and hf_ssd's own loop, here held to overlapped SSD rounds (never plain decoding, no other option family).
+ROUTES = {
+    "assisted": {"loop": "assisted"},
+    "loop": {"loop": "batch", "plain": False, "options": lambda options: [o for o in options if o.kind == "ssd"]},
+}
+
+
+def ssd(target, draft, route="assisted", **kw):
     config = kw.pop("ssd_config", SSDConfig(gamma=4, layout="thread", hit_rate_warning=0.0))
-    return target.generate(PROMPT, assistant_model=draft, max_new_tokens=NEW, do_sample=False, ssd_config=config, **kw)
+    hooks = {**ROUTES[route], **kw.pop("_ssd_hooks", {})}
+    return target.generate(PROMPT, assistant_model=draft, max_new_tokens=NEW, do_sample=False, ssd_config=config,
+                           _ssd_hooks=hooks, **kw)
 
 
-def assert_recovered(target, draft, reference):
+def assert_recovered(target, draft, reference, route="assisted"):
     """No speculator thread left, and the next SSD call on the same models is exact."""
     assert not speculator_threads(), "a speculator thread outlived generate"
-    assert torch.equal(ssd(target, draft), reference)
+    assert torch.equal(ssd(target, draft, route), reference)
 
 
 class FaultAtCall:
@@ -83,11 +94,12 @@ def _planted_fault_frame(exc):
 @pytest.mark.parametrize("layout", ["thread", "inline"])
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("at", [1, 3])
-def test_speculator_fault_surfaces_promptly_with_traceback(target, close_draft, reference, stage, layout, at):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_speculator_fault_surfaces_promptly_with_traceback(target, close_draft, reference, stage, layout, at, route):
     fault = FaultAtCall(InjectedFault, at=at)
     config = SSDConfig(gamma=4, layout=layout, hit_rate_warning=0.0)
     with pytest.raises(InjectedFault) as info:
-        ssd(target, close_draft, ssd_config=config, _ssd_hooks={stage: fault})
+        ssd(target, close_draft, route, ssd_config=config, _ssd_hooks={stage: fault})
     caught = time.perf_counter()
     assert fault.raised_at is not None
     assert caught - fault.raised_at < SURFACE_WITHIN_S, f"took {caught - fault.raised_at:.3f}s to surface"
@@ -95,20 +107,21 @@ def test_speculator_fault_surfaces_promptly_with_traceback(target, close_draft, 
     names = frame_names(info.value)
     assert names[-1] == "_planted_fault_frame"
     assert "job" in names
-    assert_recovered(target, close_draft, reference)
+    assert_recovered(target, close_draft, reference, route)
 
 
-def test_fault_in_draft_model_forward(target, close_draft, reference):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_fault_in_draft_model_forward(target, close_draft, reference, route):
     """A crash inside the draft model itself (whichever thread runs it) surfaces and leaves nothing behind."""
     fault = FaultAtCall(InjectedFault, at=6)
     handle = close_draft.register_forward_pre_hook(lambda module, args: fault())
     try:
         with pytest.raises(InjectedFault) as info:
-            ssd(target, close_draft)
+            ssd(target, close_draft, route)
     finally:
         handle.remove()
     assert "_planted_fault_frame" in frame_names(info.value)
-    assert_recovered(target, close_draft, reference)
+    assert_recovered(target, close_draft, reference, route)
 
 
 class FaultFromCall(FaultAtCall):
@@ -122,7 +135,8 @@ class FaultFromCall(FaultAtCall):
 
 
 @pytest.mark.parametrize("layout", ["inline", "thread"])
-def test_fault_in_last_round_job_is_not_lost(target, close_draft, layout):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_fault_in_last_round_job_is_not_lost(target, close_draft, layout, route):
     """An error in the speculation job running while the final round is verified must not vanish.
 
     Inline, with one fixed option, the rounds repeat exactly, so the fault lands in the last job. On a thread
@@ -139,7 +153,7 @@ def test_fault_in_last_round_job_is_not_lost(target, close_draft, layout):
                        fanout_budget=2)
 
     def run(hook):
-        return ssd(target, close_draft, eos_token_id=eos, stopping_criteria=StoppingCriteriaList([Slow()]),
+        return ssd(target, close_draft, route, eos_token_id=eos, stopping_criteria=StoppingCriteriaList([Slow()]),
                    _ssd_hooks={"predict": hook}, ssd_config=config)
 
     counter = FaultAtCall(InjectedFault, at=10**9)
@@ -183,7 +197,8 @@ def _plant_in_target(target, fault):
 
 @pytest.mark.parametrize("exc", [InjectedFault, KeyboardInterrupt])
 @pytest.mark.parametrize("where", ["stopping_criteria", "streamer", "target_forward"])
-def test_main_thread_fault_stops_background_work(target, close_draft, reference, where, exc):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_main_thread_fault_stops_background_work(target, close_draft, reference, where, exc, route):
     fault = FaultAtCall(exc, at=3)
     forwards = {"n": 0}
     counting = close_draft.register_forward_pre_hook(lambda m, a: forwards.__setitem__("n", forwards["n"] + 1))
@@ -197,7 +212,7 @@ def test_main_thread_fault_stops_background_work(target, close_draft, reference,
         handle = _plant_in_target(target, fault)
     try:
         with pytest.raises(exc):
-            ssd(target, close_draft, **kwargs)
+            ssd(target, close_draft, route, **kwargs)
         # Background work has stopped: no thread, and no draft forward happens after generate returned.
         assert not speculator_threads()
         after = forwards["n"]
@@ -208,39 +223,43 @@ def test_main_thread_fault_stops_background_work(target, close_draft, reference,
         if handle is not None:
             handle.remove()
     assert fault.calls >= 3
-    assert_recovered(target, close_draft, reference)
+    assert_recovered(target, close_draft, reference, route)
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_keyboard_interrupt_in_speculator(target, close_draft, reference, stage):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_keyboard_interrupt_in_speculator(target, close_draft, reference, stage, route):
     with pytest.raises(KeyboardInterrupt):
-        ssd(target, close_draft, _ssd_hooks={stage: FaultAtCall(KeyboardInterrupt, at=2)})
-    assert_recovered(target, close_draft, reference)
+        ssd(target, close_draft, route, _ssd_hooks={stage: FaultAtCall(KeyboardInterrupt, at=2)})
+    assert_recovered(target, close_draft, reference, route)
 
 
-def test_fault_does_not_leave_stale_stats_or_thread_settings(target, close_draft, reference):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_fault_does_not_leave_stale_stats_or_thread_settings(target, close_draft, reference, route):
     threads_before = torch.get_num_threads()
     with pytest.raises(InjectedFault):
-        ssd(target, close_draft, _ssd_hooks={"draft": FaultAtCall(InjectedFault)})
+        ssd(target, close_draft, route, _ssd_hooks={"draft": FaultAtCall(InjectedFault)})
     assert torch.get_num_threads() == threads_before
-    out = ssd(target, close_draft)
+    out = ssd(target, close_draft, route)
     assert torch.equal(out, reference)
     assert last_stats(target).new_tokens == NEW
 
 
-def test_repeated_faults_do_not_accumulate_threads(target, close_draft, reference):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_repeated_faults_do_not_accumulate_threads(target, close_draft, reference, route):
     baseline = threading.active_count()
     for i in range(10):
         with pytest.raises(InjectedFault):
-            ssd(target, close_draft, _ssd_hooks={STAGES[i % 3]: FaultAtCall(InjectedFault, at=1 + i % 2)})
+            ssd(target, close_draft, route, _ssd_hooks={STAGES[i % 3]: FaultAtCall(InjectedFault, at=1 + i % 2)})
     assert threading.active_count() == baseline
-    assert_recovered(target, close_draft, reference)
+    assert_recovered(target, close_draft, reference, route)
 
 
 # ----- shutdown: bounded waits, the first error wins, buffers always released ------------------------------------
 
 
-def test_stuck_speculator_job_does_not_hang_generate(target, close_draft, reference, monkeypatch):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_stuck_speculator_job_does_not_hang_generate(target, close_draft, reference, monkeypatch, route):
     """A draft call that never returns (a stuck device call) makes generate raise within the bounded wait
     instead of hanging it, at collect and at exit alike."""
     import hf_ssd.speculation.speculator as spec
@@ -257,32 +276,35 @@ def test_stuck_speculator_job_does_not_hang_generate(target, close_draft, refere
     start = time.perf_counter()
     try:
         with pytest.raises(spec.SpeculatorTimeout, match="did not reach"):
-            ssd(target, close_draft, _ssd_hooks={"draft": hang})
+            ssd(target, close_draft, route, _ssd_hooks={"draft": hang})
         assert time.perf_counter() - start < 10, "generate waited far beyond the bounded wait"
     finally:
         release.set()  # the stuck job returns; the worker, told to close, exits
     deadline = time.monotonic() + 5
     while speculator_threads() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert_recovered(target, close_draft, reference)
+    assert_recovered(target, close_draft, reference, route)
 
 
-def test_error_while_closing_does_not_replace_the_callers_error(target, close_draft, reference, monkeypatch):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_error_while_closing_does_not_replace_the_callers_error(target, close_draft, reference, monkeypatch, route):
     """The user gets the first error (here from a stopping criterion), not one raised while shutting down."""
     from hf_ssd.loop.assisted import SSDCandidateGenerator
+    from hf_ssd.speculation.speculator import Speculator
 
-    real_close = SSDCandidateGenerator.close
+    owner = SSDCandidateGenerator if route == "assisted" else Speculator  # what each path closes
+    real_close = owner.close
 
     def failing_close(self):
         real_close(self)
         raise RuntimeError("close failed")
 
-    monkeypatch.setattr(SSDCandidateGenerator, "close", failing_close)
+    monkeypatch.setattr(owner, "close", failing_close)
     criteria = StoppingCriteriaList([RaisingCriteria(FaultAtCall(InjectedFault, at=3))])
     with pytest.raises(InjectedFault):
-        ssd(target, close_draft, stopping_criteria=criteria)
+        ssd(target, close_draft, route, stopping_criteria=criteria)
     monkeypatch.undo()
-    assert_recovered(target, close_draft, reference)
+    assert_recovered(target, close_draft, reference, route)
 
 
 def test_failed_close_still_releases_the_static_buffers(target, close_draft, reference, monkeypatch):

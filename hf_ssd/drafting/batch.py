@@ -26,7 +26,7 @@ class BatchDrafter:
         # distribution (still exact: q is whatever the candidates were drawn from).
         self.processors = procs if procs and all(type(p).__name__ in CONTEXT_FREE for p in procs) else None
         self.pad = pad
-        self.top_k = top_k
+        self.top_k = min(top_k, out_vocab)  # a tiny vocabulary has fewer tops than the widest fan-out ranks
         self.generator = generator  # the draft's own draws (also on the speculator's thread)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

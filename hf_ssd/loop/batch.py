@@ -462,7 +462,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             feed = _verify_feed(live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             nxt = _decide(scheduler)  # in the prefill round too: its job pre-drafts round 2 behind the prefill
             if nxt[0].kind == "ssd":
-                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference, calibration)
+                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference, calibration,
+                        ssd_hooks or {})
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, feed)
             scores = process(live, rnd.candidates, logits)
@@ -652,7 +653,7 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
 
 
 def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, option: Option,
-            scheduler: Scheduler, allowed, inference: bool, calibration) -> None:
+            scheduler: Scheduler, allowed, inference: bool, calibration, hooks: dict) -> None:
     """3. The next round's branches, pre-drafted while the target verifies this one."""
     rnd.job, rnd.tree = option, Tree()
     rnd.job_budget = budget = scheduler.job_budget(option.budget)  # `_job_budget`, as the model predicts it
@@ -667,10 +668,14 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
     timed = verify_s is not None and not scheduler.inline and not rnd.prefill
     deadline = time.perf_counter() + verify_s if timed else None
 
+    def stage(name: str) -> None:  # tests plant faults at a job's stages (tests/test_faults.py)
+        if name in hooks:
+            hooks[name]()
+
     def job(should_stop):
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree,
-                      should_stop, deadline, calibration, priors)
+                      should_stop, deadline, calibration, priors, stage)
 
     speculator.submit(job)
 

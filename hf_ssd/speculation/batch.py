@@ -75,7 +75,7 @@ class Tree:
 def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: int, budget: int, alpha: float,
               allowed: Callable[[object, Outcome], bool], tree: Tree, should_stop: Callable[[], bool],
               deadline: float | None = None, calibration: AcceptanceCalibration | None = None,
-              priors: list[list[float]] | None = None) -> None:
+              priors: list[list[float]] | None = None, stage: Callable[[str], None] = lambda name: None) -> None:
     """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
     `should_stop`, or until a step would end more than LATE_GRACE of a step after `deadline` (when the
     verification is expected to end: the caller would wait for that step; its tokens are worth less than the wait).
@@ -92,7 +92,8 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     (`rank_outcomes`), P(k) from the draft's confidence in each candidate, hedged with the row's measured law
     (`priors`, P(k) per row from the per-position acceptance); otherwise per k by the geometric split at
     `alpha`. Either way the share of k = g outcomes whose bonus the draft has not ranked yet goes to late
-    branches."""
+    branches. `stage`: called at each stage ("predict", then per step "draft" and "insert"; tests plant faults)."""
+    stage("predict")
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
         return
     start = time.perf_counter()
@@ -137,6 +138,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         if j:  # a copy's step-j token is its candidate j (j - 1 for a late one); full copies feed nothing
             valid = ((j - late) < gamma).long()[:, None]
         tag = (j - late).clamp(min=0)[:, None] if j else 0
+        stage("draft")
         probs = drafter.probs(kv.forward(ids, valid, pos, keep_last=1, tag=tag)[:, -1])
         chosen, top = drafter.choose(probs), drafter.top_table(probs)
         if j == 0 and late_at:  # the bonus of a late branch: its rank among the draft's tops
@@ -147,6 +149,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
                 chosen[i] = bonus
                 b.outcome = Outcome(b.outcome.accepted, bonus, b.outcome.prob)
                 rows[b.row].tops[len(candidates[b.row]):] = [(top[0][i], top[1][i])]  # the round's bonus ranks here
+        stage("insert")
         tree.chosen.append(chosen.tolist())
         tree.tops.append(top)
         if drafter.do_sample:
