@@ -140,9 +140,9 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     hooks = kwargs.pop("_ssd_hooks", None)
     rows = _batch_size(args, kwargs)
     # One prompt runs transformers' assisted loop with hf_ssd's candidate generator: at B = 1 on the real pair the
-    # loop gained 1.12x over the target alone where it gained 1.21x (docs/performance.md, session 20), and it lacks
-    # its confidence-stopped drafts and one-prompt settings
-    # (`_one_prompt_config`). The `loop` hook sends one prompt through the loop ("batch"; tests and benchmarks).
+    # loop gained 1.12x over the target alone where that path gained 1.21x (docs/performance.md, session 20); the
+    # loop lacks its confidence-stopped drafts and its one-prompt settings (`_one_prompt_config`). The `loop` hook
+    # sends one prompt through the loop ("batch"; tests and benchmarks).
     batch_path = rows > 1 or (hooks or {}).get("loop") == "batch"
     _validate_call(model, draft, args, kwargs, batch_path)
     layout = resolve_layout(config.layout, model, draft)

@@ -493,6 +493,11 @@ def test_stop_strings_end_each_row_where_the_target_ends_it(pair):
     for config, hooks in (CONFIGS["ssd_g3_b1"], CONFIGS["auto"]):
         out = target.generate(ids, assistant_model=close, ssd_config=config, _ssd_hooks=hooks, **kw)
         assert torch.equal(out, want)
+    # The stop strings in a generation config passed (left as the caller gave it) rather than as an argument.
+    given = tf.GenerationConfig(stop_strings=kw.pop("stop_strings"), max_new_tokens=kw.pop("max_new_tokens"),
+                                do_sample=False, eos_token_id=1, pad_token_id=0)
+    out = target.generate(ids, assistant_model=close, ssd_config=CONFIGS["ssd_g3_b1"][0], generation_config=given, **kw)
+    assert torch.equal(out, want) and given.stop_strings == [stop]
 
 
 def test_fan_out_wider_than_the_vocabulary(pair):
