@@ -172,7 +172,10 @@ class Scheduler:
         self.warming = (warmup_budget is not None and not every_family and AR in options and not costs.drafted)
         self._queue: list[Option] = self.first_rounds(every_family) if costs.rounds_seen == 0 and not self.warming else []
         self._learning = self.learning_rounds()  # once: each warm-up decision prices them
+        self._trial: Option | None = None  # a trial round run, its verdict (`decide`) not drawn yet
         self._after_trial: list[Option] = []  # the learning rounds that run only if the trial round pays
+        # Set by a trial that did not beat AR: the rest of the call chooses among AR and the families it has measured.
+        self._measured_only = False
         self._trial_considered = False  # a call's trial (`trial_pays`): considered once, at the first AR decision
         self.trials = 0
 
@@ -438,12 +441,17 @@ class Scheduler:
             self.warming = False
             # The trial, then AR while it is verified (a decision is made while the round before it runs), then
             # the rest only if the trial showed its option beating the target alone.
-            self._queue, self._after_trial = [self._learning[0], AR], self._learning[1:]
-        if self._after_trial and not self._queue:
-            trial, ar = self.predict(self._learning[0]), self.predict(AR)
+            self._queue, self._after_trial, self._trial = [self._learning[0], AR], self._learning[1:], self._learning[0]
+        if self._trial is not None and not self._queue:
+            trial, ar = self.predict(self._trial), self.predict(AR)
             if trial is not None and ar is not None and trial.rate > ar.rate:
                 self._queue = self._after_trial
-            self._after_trial = []
+            else:
+                # Drafting lost in the one round of it this call measured. The model would still rate an unmeasured
+                # family above AR where it assumes a job hidden behind the verify: on the real pair on CPU, after a
+                # lost trial, ssd(b=64,g=8) and confidence-stopped SD ran a 48-token call at 0.69x the target alone.
+                self._measured_only = True
+            self._trial, self._after_trial = None, []
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
@@ -461,6 +469,11 @@ class Scheduler:
                 predictions = dict(self._predictions)
                 for o in self._shortlist:
                     predictions[o] = self.predict(o)
+        measured = None
+        if self._measured_only:
+            with self.costs.lock:
+                measured = {o.family for o in self.costs.outcomes if isinstance(o, Option)} | {AR.family}
+            predictions = {o: p if o.family in measured else None for o, p in predictions.items()}
         best, pred = self.best(predictions)
         ar = predictions.get(AR)
         if draft_lag > CATCH_UP_TOKENS and best.kind != "ar" and ar is not None and pred is not None and remaining:
@@ -474,8 +487,8 @@ class Scheduler:
             self._trial_considered = True
             if self.costs.call_tried() == 0 and self.trial_pays(context, draft_lag, remaining, predictions, ar):
                 self.trials += 1
-                self._queue = [AR]  # decided while the trial is verified; then the model, with its outcome
-                trial = self._learning[0]
+                self._queue = [AR]  # decided while the trial is verified; then its verdict, and the model
+                trial = self._trial = self._learning[0]
                 return trial, predictions.get(trial) or self.predict(trial), True
         # Exploration gets rarer as measurements accumulate (down to 2% of rounds), and skips families
         # predicted at under EXPLORE_FLOOR of the best rate: re-measuring those costs more than it can reveal.
@@ -484,7 +497,8 @@ class Scheduler:
                  for name, fam in self.families.items() if name != best.family and fam[0].budget not in WIDE_BUDGETS}
         floor = EXPLORE_FLOOR * pred.rate if pred is not None else 0.0
         worth = [name for name, r in rates.items() if (r is None or r >= floor)
-                 and (draft_lag <= CATCH_UP_TOKENS or self.families[name][0].kind == "ar")]
+                 and (draft_lag <= CATCH_UP_TOKENS or self.families[name][0].kind == "ar")
+                 and (measured is None or name in measured)]
         if worth and self.rng.random() < epsilon:
             family = self.rng.choice(worth)
             # Within the family, the gamma the model likes best (or the default's when it cannot say yet).
