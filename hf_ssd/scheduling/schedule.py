@@ -174,8 +174,7 @@ class Scheduler:
         self._learning = self.learning_rounds()  # once: each warm-up decision prices them
         self._trial: Option | None = None  # a trial round run, its verdict (`decide`) not drawn yet
         self._after_trial: list[Option] = []  # the learning rounds that run only if the trial round pays
-        # Set by a trial that did not beat AR: the rest of the call chooses among AR and the families it has measured.
-        self._measured_only = False
+        self._lost_trial = False  # a trial that did not beat AR: the rest of the call runs the target alone
         self._trial_considered = False  # a call's trial (`trial_pays`): considered once, at the first AR decision
         self.trials = 0
 
@@ -447,14 +446,18 @@ class Scheduler:
             if trial is not None and ar is not None and trial.rate > ar.rate:
                 self._queue = self._after_trial
             else:
-                # Drafting lost in the one round of it this call measured. The model would still rate an unmeasured
-                # family above AR where it assumes a job hidden behind the verify: on the real pair on CPU, after a
-                # lost trial, ssd(b=64,g=8) and confidence-stopped SD ran a 48-token call at 0.69x the target alone.
-                self._measured_only = True
+                # Drafting lost in the one round of it this call measured; the model, from that round and what
+                # earlier calls showed, would still rate other options above AR. On the real pair on CPU, after a
+                # lost trial, unmeasured ssd(b=64,g=8) and confidence-stopped SD ran a 48-token call at 0.69x the
+                # target alone, and plain SD at other gammas (the measured family) at 0.87x.
+                self._lost_trial = True
             self._trial, self._after_trial = None, []
         if self._queue:
             o = self._queue.pop(0)
             return o, self.predict(o), True
+        if self._lost_trial:
+            self._decisions += 1
+            return AR, self.predict(AR), False
         # Every FULL_EVERY rounds all ~90 options are predicted; in between only the SHORTLIST best of the last
         # full pass (the others keep that pass's predictions). A decision waits on the caller's thread while the
         # job finishes its step, and its Python holds the interpreter lock the job needs after that step.
@@ -469,11 +472,6 @@ class Scheduler:
                 predictions = dict(self._predictions)
                 for o in self._shortlist:
                     predictions[o] = self.predict(o)
-        measured = None
-        if self._measured_only:
-            with self.costs.lock:
-                measured = {o.family for o in self.costs.outcomes if isinstance(o, Option)} | {AR.family}
-            predictions = {o: p if o.family in measured else None for o, p in predictions.items()}
         best, pred = self.best(predictions)
         ar = predictions.get(AR)
         if draft_lag > CATCH_UP_TOKENS and best.kind != "ar" and ar is not None and pred is not None and remaining:
@@ -497,8 +495,7 @@ class Scheduler:
                  for name, fam in self.families.items() if name != best.family and fam[0].budget not in WIDE_BUDGETS}
         floor = EXPLORE_FLOOR * pred.rate if pred is not None else 0.0
         worth = [name for name, r in rates.items() if (r is None or r >= floor)
-                 and (draft_lag <= CATCH_UP_TOKENS or self.families[name][0].kind == "ar")
-                 and (measured is None or name in measured)]
+                 and (draft_lag <= CATCH_UP_TOKENS or self.families[name][0].kind == "ar")]
         if worth and self.rng.random() < epsilon:
             family = self.rng.choice(worth)
             # Within the family, the gamma the model likes best (or the default's when it cannot say yet).
