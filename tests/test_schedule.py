@@ -331,6 +331,18 @@ def test_exploration_draws_follow_the_pairs_history_not_the_call():
     assert later != first and later == draws()
 
 
+def started_trial(config, options, default):
+    """(scheduler, costs, [its trial, the option decided while the trial is verified]): a warm-up whose budget fits
+    learning at once, past round 1 with the prefill and an AR step measured; no exploration."""
+    costs = CostModel(False, 17, 0.7)
+    s = Scheduler(config, costs, options, default, inline=False, warmup_budget=1.0)
+    s.rng.random = lambda: 1.0
+    s.decide(0, 400, 100)
+    costs.add_prefill(400, 4.0)
+    costs.add_verify(0, 0.25, None)
+    return s, costs, [s.decide(400, 400, 100)[0], s.decide(0, 401, 100)[0]]
+
+
 def test_warmup_runs_ar_until_learning_fits_its_budget():
     """A pair that has never drafted runs the target alone until learning, at its worst (the draft reading the
     context, then the trial round accepting nothing), costs at most warmup_budget of the pair's decode time
@@ -366,13 +378,8 @@ def test_warmup_runs_ar_until_learning_fits_its_budget():
         costs.add_verified([(4, 4, None)])
     assert [s.decide(0, 410, 100)[0] for _ in rounds[1:]] == rounds[1:]  # it paid: the other learning rounds
     # A trial that accepted nothing ends learning: the rounds after it are decided from the measurements.
-    costs = CostModel(False, 17, 0.7)
-    s = Scheduler(config, costs, options, default, inline=False, warmup_budget=1.0)
-    s.rng.random = lambda: 1.0  # no exploration
-    s.decide(0, 400, 100)
-    costs.add_prefill(400, 4.0)
-    costs.add_verify(0, 0.25, None)
-    assert [s.decide(400, 400, 100)[0], s.decide(0, 401, 100)[0]] == [rounds[0], ar]
+    s, costs, started = started_trial(config, options, default)
+    assert started == [rounds[0], ar]
     for _ in range(3):
         costs.add_draft(4, 0.2)
         costs.add_verify(4, 0.3, None)
@@ -399,14 +406,8 @@ def test_a_lost_trial_keeps_the_call_on_the_target_alone():
     default, ar = Option("ssd", 4, 1), Option("ar")
 
     def after_trial(draft_step: float):
-        costs = CostModel(False, 17, 0.7)
-        s = Scheduler(config, costs, options, default, inline=False, warmup_budget=1.0)
-        s.rng.random = lambda: 1.0  # no exploration
-        s.decide(0, 400, 100)
-        costs.add_prefill(400, 4.0)
-        costs.add_verify(0, 0.25, None)
-        trial = s.decide(400, 400, 100)[0]
-        assert trial.kind == "sd" and s.decide(0, 401, 100)[0] == ar
+        s, costs, (trial, then) = started_trial(config, options, default)
+        assert trial.kind == "sd" and then == ar
         for _ in range(3):  # the trial: 4 drafted at `draft_step` each, 3 of 4 kept, verified in 0.3 s
             costs.add_draft(4, 4 * draft_step)
             costs.add_verify(4, 0.3, None)
