@@ -2,8 +2,8 @@
 
 Greedy: every row identical to the target's own batched `generate` on the same (left-padded) batch and to the
 row run alone, for B in {2, 3, 8, 16}, mixed prompt lengths, rows ending early at EOS, AR and SD rounds at
-several gamma (the scheduler's choice, and fixed), families with sliding windows, and the ragged caches'
-compaction. Sampling: per row, chi-square tests against the exact distribution (tests/test_sampling.py), rows at
+several gamma (the scheduler's choice, and fixed), confidence-stopped SD (each row its own length), families
+with sliding windows, and the ragged caches' compaction. Sampling: per row, chi-square tests against the exact distribution (tests/test_sampling.py), rows at
 different acceptance. Users: pipelines with batch_size, clear errors for what batches do not serve.
 """
 
@@ -43,6 +43,8 @@ CONFIGS = {
     "sd_g1": (SSDConfig(gamma=1, **QUIET), only("sd")),
     "sd_g3": (SSDConfig(gamma=3, **QUIET), only("sd")),
     "sd_g6": (SSDConfig(gamma=6, **QUIET), only("sd")),
+    # Confidence-stopped SD (up to 16 tokens, each row stopping on its own draft's confidence).
+    "sd_conf": (SSDConfig(**QUIET), {"options": lambda options: [o for o in options if o.stop]}),
     "ssd_g3_b1": (SSDConfig(gamma=3, schedule="fixed", layout="inline", **QUIET), None),
     "ssd_g4_b4": (SSDConfig(gamma=4, fanout_budget=4, schedule="fixed", layout="inline", **QUIET), None),
     "ssd_g2_b2_thread": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="thread", **QUIET), None),
@@ -195,7 +197,7 @@ def test_families_batched(family, attn):
         assert_rows_exact(target, draft, ids, mask, name, batched_reference=attn == "sdpa")
 
 
-@pytest.mark.parametrize("name", ["sd_g2", "ssd_g2_b2"])
+@pytest.mark.parametrize("name", ["sd_g2", "sd_conf", "ssd_g2_b2"])
 def test_sampling_rows_match_target_distribution(name):
     """Two prompts (different acceptance), each twice in a batch of 4: every row's samples follow the target's
     exact distribution (false-fail rate < 1e-4 per prompt, as in tests/test_sampling.py)."""
@@ -214,6 +216,7 @@ def test_sampling_rows_match_target_distribution(name):
     ids = torch.tensor([prompts[0], prompts[1], prompts[0], prompts[1]])
     config, hooks = {
         "sd_g2": (SSDConfig(gamma=2, **QUIET), only("sd")),
+        "sd_conf": (SSDConfig(**QUIET), {"options": lambda options: [o for o in options if o.stop]}),
         "ssd_g2_b2": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="inline", **QUIET), None),
     }[name]
     torch.manual_seed(4321)
@@ -1006,6 +1009,44 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
             assert ranked == rows[i].tops[len(c)][1][: len(ranked)].tolist()
             tokens, probs = _draft_greedy(draft, rows[i].real + c, 1)
             assert ranked[0] == tokens[0] and float(rows[i].tops[len(c)][0][0]) == pytest.approx(probs[0], abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_confidence_stop_ends_each_rows_candidates_after_its_first_unsure_token(pair, seed):
+    """sd(g, c) in a batch: each row's candidates are the draft's own greedy continuation, cut after the first
+    token whose top probability is under c (that one kept), whatever the other rows do; a row that stopped while
+    others drafted on keeps the draft's distribution after its last candidate. Fails if a row stops on another
+    row's confidence, or never stops."""
+    from hf_ssd.drafting.batch import BatchDrafter
+
+    target, _, noisy = pair
+    ids, mask = padded_batch(lengths_for(6, seed), seed)
+    n = [6, 6, 0, 6, 3, 6]
+    alone = [_draft_greedy(noisy, [int(t) for t, m in zip(ids[i], mask[i]) if m], k) for i, k in enumerate(n)]
+
+    def cut(probs: list[float], k: int, stop: float) -> int:
+        return next((j + 1 for j, q in enumerate(probs[:k]) if q < stop), k)
+
+    # The threshold at which the rows' lengths differ most (from the rows' own confidences).
+    stop = max(sorted({q for _, probs in alone for q in probs}),
+               key=lambda c: len({cut(p, k, c) for (_, p), k in zip(alone, n) if k}))
+    lengths = [cut(p, k, stop) for (_, p), k in zip(alone, n)]
+    assert len({m for m, k in zip(lengths, n) if k}) >= 2, lengths  # rows stop at different places
+    rows = loop._rows(ids, mask)
+    drafter = BatchDrafter(noisy, target.config.vocab_size, False, None, pad=0, top_k=4)
+    drafter.prefill(rows)
+    candidates, _ = drafter.propose(rows, n, stop=stop)
+    drafted = max(lengths)
+    for i, (row, (tokens, probs), m) in enumerate(zip(rows, alone, lengths)):
+        assert candidates[i] == tokens[:m], (i, candidates[i], tokens, probs, stop)
+        if not n[i]:
+            continue
+        assert len(row.tops) == m + 1 and row.tagged == drafted - 1
+        if m < drafted:  # the batch drafted past this row's stop: the next token's distribution is known
+            nxt = _draft_greedy(noisy, [int(t) for t, v in zip(ids[i], mask[i]) if v] + tokens[:m], 1)[1][0]
+            assert float(row.tops[m][0][0]) == pytest.approx(nxt, abs=1e-5)
+        else:
+            assert row.tops[m] is None
 
 
 def test_a_calibrated_job_spends_a_rows_branches_where_its_draft_is_unsure():

@@ -50,12 +50,20 @@ class BatchDrafter:
         values, ids = self.top_table(probs)
         return [(values[i], ids[i]) for i in range(probs.shape[0])]
 
-    def propose(self, rows, n: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(self, rows, n: list[int], stop: float = 0.0) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Up to n[i] candidates for row i; rows with n[i] = 0 take no part (their columns are masked filler).
 
         All taking part draft max(n) tokens and keep their first n[i]; per row it records the tokens fed as
         confirmed (`draft_feed`), the candidate columns fed (`tagged`), the draft's top tokens at every position
-        it drafted (`tops`), and when sampling returns the distribution each candidate was drawn from."""
+        it drafted (`tops`), and when sampling returns the distribution each candidate was drawn from.
+
+        `stop` > 0 (confidence-stopped SD): a row's candidates end after the first token at which the draft's top
+        probability is below `stop` (that token kept), as `Drafter.draft(stop_below=)` does for one prompt: the
+        decision reads only the row's own draft distribution, so the verification stays exact (fallback.py,
+        `draft_until_unsure`). Rows that stopped draft on while others go on (a batched step costs the rows it
+        holds) and so keep the draft's distribution after their last candidate; drafting ends when every row
+        has stopped."""
+        n = list(n)
         steps = max(n)
         active = [k > 0 for k in n]
         feeds = [row.real[row.draft_fed:] if a else [] for row, a in zip(rows, active)]
@@ -70,9 +78,14 @@ class BatchDrafter:
             tops.append(self.tops(probs))
             if self.do_sample:
                 dists.append(probs)
-            if j == steps - 1:
+            if stop > 0:
+                for i, (values, _) in enumerate(tops[j]):
+                    if n[i] > j + 1 and float(values[0]) < stop:
+                        n[i] = j + 1
+            if j >= max(n) - 1:
                 break  # the last candidate is fed by the speculator, or next round if it is accepted
             logits = self.kv.forward(token[:, None], on, nxt + j, keep_last=1, tag=j + 1)[:, -1]
+        steps = len(tokens)
         drafted = torch.stack(tokens, dim=1).tolist()
         out, q = [], []
         for i, row in enumerate(rows):

@@ -131,10 +131,11 @@ class Round:
 
 
 def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option], Option]:
-    """(options, default) for batches: `allowed_options` without one prompt's confidence stops and thread counts
-    (each batch size keeps the budgets within BATCH_BRANCHES, `BatchPlan.scheduler`); the default is plain SD at
-    the configured gamma where that is an option, else the first of them."""
-    options = allowed_options(config, "thread", fixed_budget, wide=True, stops=False)
+    """(options, default) for batches: `allowed_options` without one prompt's thread counts, confidence-stopped SD
+    included (each row stops on its own draft's confidence, `BatchDrafter.propose`; each batch size keeps the
+    budgets within BATCH_BRANCHES, `BatchPlan.scheduler`); the default is plain SD at the configured gamma where
+    that is an option, else the first of them."""
+    options = allowed_options(config, "thread", fixed_budget, wide=True)
     default = Option("sd", config.gamma) if Option("sd", config.gamma) in options else options[0]
     if "options" in hooks:  # tests and tooling restrict the choice
         options = list(hooks["options"](options)) or options
@@ -637,7 +638,7 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
     """2. Candidates for every row: a hit's pre-drafted branch, or the draft's tokens now."""
     draw = [0 if hit else n for hit, n in zip(rnd.hits, rnd.limits)]
     if max(draw, default=0) > 0:
-        rnd.candidates, rnd.q = drafter.propose(live, draw)
+        rnd.candidates, rnd.q = drafter.propose(live, draw, stop=rnd.option.stop)
     else:
         rnd.candidates, rnd.q = [[] for _ in live], [None] * len(live)
     for i, (row, hit, n) in enumerate(zip(live, rnd.hits, rnd.limits)):
@@ -822,17 +823,21 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             if model is not None:
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
         verified = []
+        stopped = bool(rnd.option.stop)  # a confidence stop chose each row's length: not a per-position sample
         for row, c, k, bonus in zip(live, rnd.candidates, rnd.accepted, rnd.bonus):
             next_kept = None
             if k < len(row.tops) and row.tops[k] is not None:  # where the bonus ranked among the draft's tops
                 rank = bonus_rank(row.tops[k], c[k] if k < len(c) else None, bonus)
                 costs.add_rank(rank)
-                if k == len(c) and not do_sample:  # greedy: the draft's next token would have been kept or not
+                if k == len(c) and not do_sample and not stopped:  # greedy: would a longer draft have kept it
                     next_kept = rank == 0
             verified.append((k, len(c), next_kept))
+            known = row.tops[: len(c)]
+            if c and all(t is not None for t in known):  # the draft's confidence at each candidate (`sd(g, c)`)
+                costs.add_confidence([float(t[0][0]) for t in known], k)
             if calibration is not None and c:  # P(accept | the draft's confidence), for the next jobs' P(k)
                 calibration.observe(drafted_probs(c, row.tops[: len(c)]), k)
-        costs.add_verified(verified)
+        costs.add_verified(verified, by_position=not stopped)
         if job is not None:
             tree = rnd.tree
             # The first step is not a step of its width: it feeds the late branches' unread tokens, and after a

@@ -516,9 +516,10 @@ class CostModel:
     def _length_probs(self, g: int) -> list[float]:
         return length_probs([self.position_acceptance(j) for j in range(1, g + 1)])
 
-    def confidence_model(self, threshold: float, cap: int) -> tuple[float, float]:
-        """(expected drafted tokens, expected new tokens) of plain SD that drafts up to `cap` tokens and stops
-        after the first whose top probability is below `threshold`.
+    def confidence_model(self, threshold: float, cap: int, rows: int = 1) -> tuple[float, float]:
+        """(expected drafted tokens, expected new tokens a row) of plain SD that drafts up to `cap` tokens and stops
+        after the first whose top probability is below `threshold`; with `rows` > 1 the drafted tokens are the
+        batch's: its steps go on until every row has stopped, P(some row drafts position j) = 1 - (1 - r^(j-1))^rows.
 
         From the confidence histogram: r = P(top probability >= threshold) at a position, a_hi / a_lo =
         acceptance of positions at / below it (each with a prior of 2 positions: r = 1 - threshold, a_hi = the
@@ -536,7 +537,7 @@ class CostModel:
         a_hi = (acc_hi + w * a) / (seen_hi + w)
         a_lo = (acc_lo + w * 0.5 * a) / (seen_lo + w)
         m = r * a_hi + (1.0 - r) * a_lo
-        drafted = sum(r**j for j in range(cap))
+        drafted = sum(1.0 - (1.0 - r**j) ** rows for j in range(cap))
         tokens = 1.0 + m * sum((r * a_hi) ** j for j in range(cap))
         return drafted, tokens
 

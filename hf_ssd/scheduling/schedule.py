@@ -397,7 +397,7 @@ class Scheduler:
             return None if t is None else Prediction(1.0, t)
         g = option.gamma
         if option.kind == "sd" and option.stop:
-            drafted, tokens = c.confidence_model(option.stop, g)
+            drafted, tokens = c.confidence_model(option.stop, g, self.rows)
             tv, td = c.verify(drafted, None, option.threads), c.draft_time(drafted, option.threads)
             return None if tv is None or td is None else Prediction(tokens, tv + td)
         if option.kind == "sd":
