@@ -298,20 +298,21 @@ def test_first_rounds_measure_each_kind_once_and_leave_every_option_predicted(ta
 
 
 def test_a_batch_reads_the_config_as_one_prompt_does_less_what_batches_lack():
-    """One place turns settings into options (`allowed_options`): a batch's are one prompt's without the
-    confidence-stopped SD and the thread counts, under every constraint (each batch size then keeps the budgets
-    within BATCH_BRANCHES: test_batch)."""
+    """One place turns settings into options (`allowed_options`): a batch's are one prompt's without the thread
+    counts (confidence-stopped SD included, each row stopping on its own), under every constraint (each batch
+    size then keeps the budgets within BATCH_BRANCHES: test_batch)."""
     for config in (SSDConfig(**QUIET), SSDConfig(gamma=5, **QUIET), SSDConfig(fanout_budget=4, **QUIET),
                    SSDConfig(layout="inline", **QUIET), SSDConfig(schedule="fixed", **QUIET)):
         budget, _ = config.resolved_budget(False)
         batch, default = batch_options(config, budget, {})
         one = allowed_options(config, "thread", budget, fewer_threads=(1,))
-        assert batch == [o for o in one if not o.stop and not o.threads]
+        assert batch == [o for o in one if not o.threads]
         assert default in batch
     assert batch_options(SSDConfig(**QUIET), 1, {})[1] == Option("sd", 4)  # nothing constrained: plain SD first
     assert {o.gamma for o in batch_options(SSDConfig(gamma=5, **QUIET), 1, {})[0] if o.kind != "ar"} == {5}
     assert {o.name for o in batch_options(SSDConfig(fanout_budget=4, **QUIET), 4, {})[0]} == {
-        Option("ssd", g, 4).name for g in {o.gamma for o in batch_options(SSDConfig(**QUIET), 1, {})[0]} if g}
+        Option("ssd", g, 4).name for g in {o.gamma for o in batch_options(SSDConfig(**QUIET), 1, {})[0] if not o.stop}
+        if g}
 
 
 def test_exploration_draws_follow_the_pairs_history_not_the_call():
