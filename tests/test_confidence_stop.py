@@ -99,33 +99,43 @@ def feed_confidence(costs: CostModel, rng: random.Random, rounds: int, g: int = 
         costs.add_verified([(k, g, None)])
 
 
-def monte_carlo_stop(threshold: float, cap: int, rng: random.Random, rounds: int = 20000):
+def monte_carlo_stop(threshold: float, cap: int, rng: random.Random, rounds: int = 20000, rows: int = 1):
+    """(drafted, new tokens a row) per round; with rows > 1 a batch's round drafts until its longest row stops."""
     drafted = tokens = 0
     for _ in range(rounds):
-        k, n, alive = 0, 0, True
-        while n < cap:
-            q = rng.random()
-            n += 1
-            ok = rng.random() < q**2
-            if alive and ok:
-                k += 1
-            alive = alive and ok
-            if q < threshold:
-                break
-        drafted, tokens = drafted + n, tokens + k + 1
+        lengths = []
+        for _ in range(rows):
+            k, n, alive = 0, 0, True
+            while n < cap:
+                q = rng.random()
+                n += 1
+                ok = rng.random() < q**2
+                if alive and ok:
+                    k += 1
+                alive = alive and ok
+                if q < threshold:
+                    break
+            lengths.append(n)
+            tokens += (k + 1) / rows
+        drafted += max(lengths)
     return drafted / rounds, tokens / rounds
 
 
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("threshold", [0.3, 0.6])
-def test_confidence_model_matches_the_stop_it_models(threshold, monkeypatch):
+def test_confidence_model_matches_the_stop_it_models(threshold, rows, monkeypatch):
+    """rows = 8: a batch's round drafts until its longest row stops (each row's own stop), and each row yields its
+    own tokens; the model charges the expected longest row."""
     monkeypatch.setattr(hf_ssd.scheduling.costs, "CONFIDENCE_DECAY", 1.0)  # all rounds count: no estimator noise to allow for
     costs = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.5)
     rng = random.Random(1)
     feed_confidence(costs, rng, 3000)
-    drafted, tokens = costs.confidence_model(threshold, CONFIDENCE_CAP)
-    mc_drafted, mc_tokens = monte_carlo_stop(threshold, CONFIDENCE_CAP, rng)
+    drafted, tokens = costs.confidence_model(threshold, CONFIDENCE_CAP, rows)
+    mc_drafted, mc_tokens = monte_carlo_stop(threshold, CONFIDENCE_CAP, rng, 20000 // rows, rows)
     assert drafted == pytest.approx(mc_drafted, rel=0.08)
     assert tokens == pytest.approx(mc_tokens, rel=0.08)
+    if rows > 1:  # the batch's steps are not one row's
+        assert drafted > 1.3 * costs.confidence_model(threshold, CONFIDENCE_CAP)[0]
 
 
 def test_scheduler_picks_the_confidence_stop_when_confidence_predicts_acceptance():
