@@ -3,8 +3,8 @@
 Greedy: every row identical to the target's own batched `generate` on the same (left-padded) batch and to the
 row run alone, for B in {2, 3, 8, 16}, mixed prompt lengths, rows ending early at EOS, AR and SD rounds at
 several gamma (the scheduler's choice, and fixed), confidence-stopped SD (each row its own length), families
-with sliding windows, and the ragged caches' compaction. Sampling: per row, chi-square tests against the exact distribution (tests/test_sampling.py), rows at
-different acceptance. Users: pipelines with batch_size, clear errors for what batches do not serve.
+with sliding windows, and the ragged caches' compaction. Sampling: per row, chi-square tests against the exact
+distribution (tests/test_sampling.py), rows at different acceptance. Users: pipelines with batch_size, clear errors for what batches do not serve.
 """
 
 from __future__ import annotations
@@ -1027,8 +1027,10 @@ def test_a_confidence_stop_ends_each_rows_candidates_after_its_first_unsure_toke
     def cut(probs: list[float], k: int, stop: float) -> int:
         return next((j + 1 for j, q in enumerate(probs[:k]) if q < stop), k)
 
-    # The threshold at which the rows' lengths differ most (from the rows' own confidences).
-    stop = max(sorted({q for _, probs in alone for q in probs}),
+    # The threshold at which the rows' lengths differ most, midway between two of the rows' own confidences (no
+    # confidence sits near it, so cached and uncached forwards' last bits cannot move a cut).
+    qs = sorted({q for _, probs in alone for q in probs})
+    stop = max(((a + b) / 2 for a, b in zip(qs, qs[1:])),
                key=lambda c: len({cut(p, k, c) for (_, p), k in zip(alone, n) if k}))
     lengths = [cut(p, k, stop) for (_, p), k in zip(alone, n)]
     assert len({m for m, k in zip(lengths, n) if k}) >= 2, lengths  # rows stop at different places
