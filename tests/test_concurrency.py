@@ -65,7 +65,7 @@ def test_cost_updates_wait_for_a_reader_holding_the_lock():
         lambda: costs.add_lookup(4, False, 0.5), lambda: costs.add_verify(4, 0.01, None),
         lambda: costs.add_verify(4, 0.01, 2), lambda: costs.add_draft(3, 0.01), lambda: costs.add_rank(1),
         lambda: costs.add_verified([(2, 4, None)], by_position=False), lambda: costs.add_verified([(2, 4, None)]), lambda: costs.add_overhead(2, 0.001),
-        lambda: costs.add_confidence([0.9, 0.5], 1), lambda: costs.add_record(0.001),
+        lambda: costs.add_confidence([([0.9, 0.5], 1)]), lambda: costs.add_record(0.001),
         lambda: costs.add_tree_step(4, 0.002), lambda: costs.add_round(), lambda: costs.new_call(),
     ]
     for update in updates:

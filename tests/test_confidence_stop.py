@@ -95,7 +95,7 @@ def feed_confidence(costs: CostModel, rng: random.Random, rounds: int, g: int = 
         k = 0
         while k < g and rng.random() < accept(qs[k]):
             k += 1
-        costs.add_confidence(qs, k)
+        costs.add_confidence([(qs, k)])
         costs.add_verified([(k, g, None)])
 
 
@@ -162,7 +162,7 @@ def test_ar_wins_once_measured_acceptance_collapses():
     assert s.best()[0].kind == "sd"
     for _ in range(10):  # new text: the draft's first token is rejected
         costs.add_verified([(0, 4, None)])
-        costs.add_confidence([0.9, 0.9, 0.9, 0.9], 0)
+        costs.add_confidence([([0.9, 0.9, 0.9, 0.9], 0)])
     assert s.best()[0].kind == "ar", s.best()
     ar = Option("ar")
     model = s.model(ar)
@@ -302,3 +302,14 @@ def test_a_new_call_discounts_earlier_acceptance_counts():
     for _ in range(5):  # the new text's first rounds are bad
         c.add_verified([(0, 8, None)])
     assert c.position_acceptance(1) < 0.75
+
+
+def test_a_batchs_round_decays_the_confidence_counts_once():
+    """A round of 8 rows ages what came before it as one prompt's round does (counts decayed once a round, as
+    `add_verified` does): decayed once a row, a batch of 8 kept about 4 rounds of memory at CONFIDENCE_DECAY."""
+    costs = CostModel(on_gpu=False, top_k=4, initial_acceptance=0.5)
+    costs.add_confidence([([0.95], 1)])  # an old round: one position in the top bin, accepted
+    costs.add_confidence([([0.01], 0)] * 8)  # a batch's round: 8 rows, one rejected position each, lowest bin
+    decay = hf_ssd.scheduling.costs.CONFIDENCE_DECAY
+    assert costs.confidence_seen[-1] == pytest.approx(decay)
+    assert costs.confidence_seen[0] == pytest.approx(8.0)

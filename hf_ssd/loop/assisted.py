@@ -333,7 +333,7 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.costs.add_next_kept(k + 1, rank == 0)  # greedy: a draft one longer would have kept it
         known = tops[: len(candidates)]
         if known and all(t is not None for t in known):  # the draft's confidence at each candidate position
-            self.costs.add_confidence(torch.stack([t[0][0] for t in known]).tolist(), k)
+            self.costs.add_confidence([(torch.stack([t[0][0] for t in known]).tolist(), k)])
         if self.calibration is not None and len(known) == len(candidates) and all(t is not None for t in known):
             self.calibration.observe(drafted_probs(candidates, known), k)
         if "record_s" in info:

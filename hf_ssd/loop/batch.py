@@ -822,7 +822,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             model = scheduler.model(rnd.option)
             if model is not None:
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
-        verified = []
+        verified, confident = [], []
         stopped = bool(rnd.option.stop)  # a confidence stop chose each row's length: not a per-position sample
         for row, c, k, bonus in zip(live, rnd.candidates, rnd.accepted, rnd.bonus):
             next_kept = None
@@ -834,10 +834,11 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             verified.append((k, len(c), next_kept))
             known = row.tops[: len(c)]
             if c and all(t is not None for t in known):  # the draft's confidence at each candidate (`sd(g, c)`)
-                costs.add_confidence([float(t[0][0]) for t in known], k)
+                confident.append(([float(t[0][0]) for t in known], k))
             if calibration is not None and c:  # P(accept | the draft's confidence), for the next jobs' P(k)
-                calibration.observe(drafted_probs(c, row.tops[: len(c)]), k)
+                calibration.observe(drafted_probs(c, known), k)
         costs.add_verified(verified, by_position=not stopped)
+        costs.add_confidence(confident)
         if job is not None:
             tree = rnd.tree
             # The first step is not a step of its width: it feeds the late branches' unread tokens, and after a

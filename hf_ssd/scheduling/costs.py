@@ -333,20 +333,24 @@ class CostModel:
             self.positions_accepted[position] += float(kept)
 
     @_locked
-    def add_confidence(self, confidences: list[float], accepted: int) -> None:
-        """The draft's top probability at each candidate position of a verified round and the accepted count.
+    def add_confidence(self, rows: list[tuple[list[float], int]]) -> None:
+        """One verified round: per row (one prompt: one row), the draft's top probability at each candidate
+        position and the accepted count.
 
         Positions up to the first rejection are known (accepted before it, rejected at it); later ones are not
-        counted (nothing says whether the target would have kept them)."""
-        if not confidences:
+        counted (nothing says whether the target would have kept them). The counts decay once a round, not once
+        a row, as in `add_verified`: a batch's rows would otherwise shorten the memory by its size."""
+        rows = [r for r in rows if r[0]]
+        if not rows:
             return
         d = CONFIDENCE_DECAY
         self.confidence_seen = [d * c for c in self.confidence_seen]
         self.confidence_accepted = [d * c for c in self.confidence_accepted]
-        for j, q in enumerate(confidences[: accepted + 1]):
-            i = min(CONFIDENCE_BINS - 1, max(0, int(q * CONFIDENCE_BINS)))
-            self.confidence_seen[i] += 1.0
-            self.confidence_accepted[i] += float(j < accepted)
+        for confidences, accepted in rows:
+            for j, q in enumerate(confidences[: accepted + 1]):
+                i = min(CONFIDENCE_BINS - 1, max(0, int(q * CONFIDENCE_BINS)))
+                self.confidence_seen[i] += 1.0
+                self.confidence_accepted[i] += float(j < accepted)
 
     @_locked
     def add_rank(self, rank: int | None) -> None:
