@@ -1011,6 +1011,54 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
             assert ranked[0] == tokens[0] and float(rows[i].tops[len(c)][0][0]) == pytest.approx(probs[0], abs=1e-5)
 
 
+def test_a_job_reuses_the_last_jobs_buffers_and_drafts_the_drafts_own_branches(pair):
+    """Jobs copy rows into buffers kept from one job to the next (`RaggedCache.branch`): a job whose buffers hold
+    another batch's copies (longer rows) must still draft the draft's own continuation of every outcome, into
+    that memory, and leave the draft's rows alone. Fails if a reused buffer keeps a stale column, or if the
+    buffers are allocated anew for every job."""
+    from hf_ssd.speculation.batch import Tree, speculate
+
+    gamma = 3
+    spare, first = None, None
+    for lengths, seed in ((lengths_for(6, 3), 3), (lengths_for(5, 7), 7)):
+        draft, drafter, rows, candidates = _job_setup(pair, lengths, seed, gamma)
+        drafter.spare = spare if spare is not None else drafter.spare
+        mask = drafter.kv.mask.clone()
+        tree = Tree()
+        speculate(drafter, rows, candidates, gamma, 8, 0.6, lambda row, o: True, tree, lambda: False)
+        spare = drafter.spare
+        first = first or {i: tuple(t.data_ptr() for t in bufs) for i, bufs in spare.items()}
+    assert first and {i: tuple(t.data_ptr() for t in bufs) for i, bufs in spare.items()} == first
+    assert torch.equal(drafter.kv.mask, mask)
+    for b in map(tree.take, range(len(tree.branches))):
+        context = rows[b.row].real + candidates[b.row][: b.outcome.accepted] + [b.outcome.bonus]
+        assert b.tokens == _draft_greedy(draft, context, gamma)[0], (b.row, b.outcome, b.rank)
+
+
+def test_a_roomy_layer_writes_in_place_and_grows_past_its_room():
+    """A job copy's layer (`_RoomyLayer`) must hold exactly what a `DynamicLayer` given the same updates holds,
+    writing into its buffer while there is room and concatenating past it."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_ssd.loop.ragged import _RoomyLayer
+
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 2, 4, 8, generator=g)
+    buffers = [torch.zeros(3, 2, 6, 8) for _ in range(2)]
+    for b in buffers:
+        b[:, :, :4] = start
+    roomy, plain = _RoomyLayer(*buffers, 4), DynamicLayer()
+    plain.update(start, start)
+    for width in (1, 1, 2):  # the last update does not fit in the room of 2
+        new = torch.randn(3, 2, width, 8, generator=g)
+        keys, values = roomy.update(new, -new)
+        want_keys, want_values = plain.update(new, -new)
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+        assert roomy.get_seq_length() == plain.get_seq_length()
+        if width == 1:
+            assert keys.data_ptr() == buffers[0].data_ptr()  # written in place
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_confidence_stop_ends_each_rows_candidates_after_its_first_unsure_token(pair, seed):
     """sd(g, c) in a batch: each row's candidates are the draft's own greedy continuation, cut after the first

@@ -28,6 +28,7 @@ class BatchDrafter:
         self.pad = pad
         self.top_k = min(top_k, out_vocab)  # a tiny vocabulary has fewer tops than the widest fan-out ranks
         self.generator = generator  # the draft's own draws (also on the speculator's thread)
+        self.spare: dict = {}  # buffers of the speculation jobs' copies of the rows, reused (`RaggedCache.branch`)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] < self.vocab:

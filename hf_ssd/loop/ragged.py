@@ -19,6 +19,7 @@ from ..drafting.kvcache import forward_params, holds_tensors, new_cache
 
 COMPACT_WASTE = 0.25  # compact when masked columns exceed this share of the cache (and at least COMPACT_MIN)
 COMPACT_MIN = 32
+SPARE_COLUMNS = 64  # a job buffer's columns beyond what its first job needs (`RaggedCache.branch`)
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
@@ -156,6 +157,38 @@ class RaggedCache:
         out.tag = stack([c.tag for c in caches], 1)
         return out
 
+    def branch(self, rows: list[int], room: int, spare: dict) -> RaggedCache:
+        """A new cache whose row r is a copy of row rows[r] of this one, with room for `room` more columns, for a
+        speculation job: its steps then write their columns in place, where a `DynamicLayer` would copy all its
+        rows at every step. The copies go into `spare`'s buffers (layer index -> (keys, values), kept by the
+        caller from one job to the next and grown as needed): fresh memory costs its page faults again each time
+        (tiny pair on CPU, 128 copies of 250 columns: 1.4 ms a copy into new memory, 0.2 ms into a used buffer),
+        and one job's copies are never read once the next starts (the rows taken from it are copied out,
+        `gather`)."""
+        pick = torch.tensor(rows, device=self.device)
+        out = copy.copy(self)
+        out.cache = new_cache()
+        width = self.columns
+        for i, layer in enumerate(self.cache.layers):
+            if holds_tensors(layer):
+                bufs = []
+                for t, old in zip((layer.keys, layer.values), spare.get(i, (None, None))):
+                    shape = (len(rows), t.shape[1], width + room, t.shape[3])
+                    if (old is None or old.dtype != t.dtype or old.device != t.device or old.shape[1] != shape[1]
+                            or old.shape[3] != shape[3] or old.shape[0] < shape[0] or old.shape[2] < shape[2]):
+                        # Headroom, so that a call's growing rows reuse one buffer for many rounds.
+                        old = t.new_empty((max(shape[0], 0 if old is None else old.shape[0]), shape[1],
+                                           shape[2] + SPARE_COLUMNS, shape[3]))
+                    bufs.append(old)
+                spare[i] = tuple(bufs)
+                out.cache.update(layer.keys[:, :, :0], layer.values[:, :, :0], i)  # creates layer i (any version)
+                out.cache.layers[i] = _RoomyLayer(*(b[: len(rows), :, : width + room] for b in bufs), width)
+                for t, b in zip((layer.keys, layer.values), bufs):
+                    torch.index_select(t, 0, pick, out=b[: len(rows), :, :width])
+        out.mask = self.mask.index_select(0, pick)
+        out.tag = self.tag.index_select(0, pick)
+        return out
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows stop costing work)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -189,3 +222,26 @@ class RaggedCache:
                     2, base.expand(*layer.values.shape[:2], need, layer.values.shape[-1]))
         self.mask = self.mask.gather(1, order)
         self.tag = self.tag.gather(1, order)
+
+
+class _RoomyLayer(DynamicLayer):
+    """A layer over preallocated [rows, heads, columns, dim] buffers whose first `length` columns are filled:
+    `update` writes the new columns in place (past the room, it concatenates as a `DynamicLayer` does). `keys`
+    and `values` are views of the filled columns, as a `DynamicLayer`'s tensors are read."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.buffers, self.length = (keys, values), length
+        self.device, self.is_initialized = keys.device, True
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.buffers[0].shape[2]:
+            self.buffers = (torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2))
+        else:
+            self.buffers[0][:, :, self.length : end] = key_states
+            self.buffers[1][:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self.buffers[0][:, :, :end], self.buffers[1][:, :, :end]
+        return self.keys, self.values

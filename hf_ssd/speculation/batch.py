@@ -2,7 +2,7 @@
 likeliest outcomes (k accepted, bonus), so that a row whose outcome was predicted (a hit) has its candidates at
 once.
 
-The job runs on the speculator's thread (speculator.py) and works on copies of the rows (`RaggedCache.gather`),
+The job runs on the speculator's thread (speculator.py) and works on copies of the rows (`RaggedCache.branch`),
 one per predicted outcome, so the draft's own rows stay as the round left them: a miss costs nothing to undo.
 Every step is one batched draft forward over all rows' branches.
 """
@@ -97,7 +97,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
         return
     start = time.perf_counter()
-    sources, branches, feeds = [], [], []
+    picks, branches, feeds = [], [], []
     for r, (row, c) in enumerate(zip(rows, candidates)):
         pk = None
         if calibration is not None:
@@ -105,33 +105,34 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         outcomes, late = _outcomes(row, c, budget, alpha, pk)
         for o in outcomes:
             if allowed(row, o):
-                sources.append((drafter.kv, r))
+                picks.append(r)
                 branches.append(Branch(r, o))
                 feeds.append(([o.bonus], [len(row.real) + o.accepted]))
         unread = _unread(row, c)
         if late and unread[0] and allowed(row, Outcome(len(c), -1)):
             for rank in range(min(late, drafter.top_k)):
-                sources.append((drafter.kv, r))
+                picks.append(r)
                 branches.append(Branch(r, Outcome(len(c), -1), rank=rank))
                 feeds.append(unread)
     if not branches or should_stop():
         return
-    kv = drafter.kv.gather(sources)
-    kv.settle(torch.tensor([b.outcome.accepted for b in branches]))  # each copy keeps what its outcome accepts
-    tree.cache, tree.branches, tree.gamma = kv, branches, gamma
     # Step 0 feeds each copy's first block (right-aligned); later steps one token each, at its next position.
     # Built from lists: a tensor op per branch would hold the interpreter lock for milliseconds at 128 branches.
     width = max(len(ids) for ids, _ in feeds)
+    late_at = [i for i, b in enumerate(branches) if b.rank is not None]
+    steps = gamma + int(bool(late_at))  # a late branch needs one step more
+    kv = drafter.kv.branch(picks, room=width + steps - 1, spare=drafter.spare)
+    kv.settle(torch.tensor([b.outcome.accepted for b in branches]))  # each copy keeps what its outcome accepts
+    tree.cache, tree.branches, tree.gamma = kv, branches, gamma
     ids = torch.tensor([[drafter.pad] * (width - len(t)) + t for t, _ in feeds])
     valid = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t, _ in feeds])
     pos = torch.tensor([[0] * (width - len(t)) + at for t, at in feeds])
-    late_at = [i for i, b in enumerate(branches) if b.rank is not None]
     late = torch.tensor([int(b.rank is not None) for b in branches])
     nxt = pos[:, -1:] + 1
     step_s = None
     tree.setup_s = time.perf_counter() - start
     # Per step only whole-tensor work: this thread's Python holds the interpreter lock the verifying caller needs.
-    for j in range(gamma + int(bool(late_at))):  # a late branch needs one step more
+    for j in range(steps):
         t = time.perf_counter()
         if should_stop() or (deadline is not None and step_s is not None and t + (1 - LATE_GRACE) * step_s > deadline):
             break
