@@ -1189,6 +1189,25 @@ def test_a_job_stops_stepping_once_its_next_step_would_end_past_the_verify():
         assert max(len(tree.take(i).tokens) for i in range(len(tree.branches))) == want
 
 
+@pytest.mark.parametrize("worth", [2, 3])
+def test_a_job_takes_a_late_step_only_where_its_grace_allows(worth):
+    """Past its deadline a job starts a step only if it ends within `grace(tokens its branches hold)`: here the
+    grace allows steps while the branches hold fewer than `worth` tokens, so the job stops at exactly `worth`
+    steps. Fails if the job asks the grace of another step, or ignores it."""
+    from hf_ssd.speculation.batch import Tree, speculate
+
+    target = hf_ssd.enable(make_model(0, attn="sdpa"))
+    _, drafter, rows, candidates = _job_setup((target, None, noisy_copy(target, 0.02)), [5, 7, 4], 1, 2)
+    tree, asked = Tree(), []
+
+    def grace(tokens):
+        asked.append(tokens)
+        return float("inf") if tokens < worth else float("-inf")
+
+    speculate(drafter, rows, candidates, 4, 4, 0.6, lambda row, o: True, tree, lambda: False, 0.0, grace=grace)
+    assert len(tree.steps) == worth and asked == list(range(1, worth + 1))
+
+
 def test_a_batch_divides_the_job_branches_among_its_rows():
     """Per-row fan-out budgets within BATCH_BRANCHES for the whole batch: one prompt's wide ones (32, 64) at
     B = 1 and 2, 32 at B = 4, 16 per row at B = 8, 8 at B = 16; an explicit fanout_budget stays as set."""

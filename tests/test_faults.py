@@ -329,3 +329,49 @@ def test_failed_close_still_releases_the_static_buffers(target, close_draft, ref
     del info
     assert torch.equal(ssd(target, close_draft, ssd_config=config), reference)
     assert sd._states[close_draft][False] is state, "the buffers were not reused"
+
+
+@pytest.mark.parametrize("layout", ["thread", "inline"])
+def test_a_fault_in_the_jobs_decision_surfaces_in_the_caller(target, close_draft, reference, monkeypatch, layout):
+    """hf_ssd's own loop decides the next round's option in the job beside the verify: an error there reaches
+    the caller with its traceback, and leaves nothing running."""
+    from hf_ssd.loop import batch as loop
+
+    fault = FaultAtCall(InjectedFault, at=3)
+    real = loop._decide
+
+    def deciding(scheduler):
+        fault()
+        return real(scheduler)
+
+    monkeypatch.setattr(loop, "_decide", deciding)
+    with pytest.raises(InjectedFault) as info:
+        ssd(target, close_draft, "loop", ssd_config=SSDConfig(gamma=4, layout=layout, hit_rate_warning=0.0))
+    names = frame_names(info.value)
+    assert names[-1] == "_planted_fault_frame" and "job" in names
+    monkeypatch.undo()
+    assert_recovered(target, close_draft, reference, "loop")
+
+
+def test_a_held_job_starts_on_start_or_collect_and_never_after_close():
+    """`submit(hold=True)`: the job waits for `start` (the loop calls it as the verify starts), `collect` starts
+    a job still held, and `close` drops one never started."""
+    from hf_ssd.speculation.speculator import Speculator
+
+    spec, ran = Speculator("thread"), []
+    try:
+        spec.submit(lambda stop: ran.append(time.perf_counter()), hold=True)
+        time.sleep(0.05)
+        assert not ran
+        started = time.perf_counter()
+        spec.start()
+        spec.collect()
+        assert len(ran) == 1 and ran[0] >= started
+        spec.submit(lambda stop: ran.append("collected"), hold=True)
+        spec.collect()
+        assert ran[1:] == ["collected"]
+        spec.submit(lambda stop: ran.append("closed"), hold=True)
+    finally:
+        spec.close()
+    time.sleep(0.05)
+    assert "closed" not in ran and not speculator_threads()

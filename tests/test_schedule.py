@@ -775,6 +775,37 @@ def test_a_hit_holds_the_steps_that_end_within_half_a_step_of_the_outcome():
     assert s._hit_terms(Option("ssd", 8, 8), None).p_hit == pytest.approx(p)
 
 
+@pytest.mark.parametrize(("alpha", "held"), [(0.9, 4), (0.5, 3)])
+def test_a_batch_jobs_hit_holds_a_late_step_only_where_acceptance_pays_for_the_wait(alpha, held):
+    """A batch's job (`late_grace_s`) starts a step that ends past the outcome only if the round's tokens grow by
+    a larger share than its time: with a 1.07-s verify and 0.29-s steps the 4th ends 0.09 s late, which a hit's
+    4th token pays for at acceptance 0.9 (grace 0.20 s), not at 0.5 (0.04 s). One prompt's job keeps its half
+    step whatever the acceptance."""
+    from hf_ssd.scheduling.schedule import late_grace_s
+
+    costs = fed_costs(alpha, 1.0, lambda b: 1.0 / 1.01, 0.29, lambda w: 0.29, RANKS)
+    costs.record = type(costs.record)()  # no record forward (the deferred record)
+    tv = costs.verify(8, 8)
+    assert 4 * 0.29 - tv == pytest.approx(0.09, abs=0.01)
+    assert (late_grace_s(alpha, 3, tv) > 4 * 0.29 - tv) == (held == 4)
+    option = Option("ssd", 8, 8)
+    batch = Scheduler(SSDConfig(), costs, [option], option, inline=False, rows=4)
+    one = Scheduler(SSDConfig(), costs, [option], option, inline=False)
+    assert batch._hit_terms(option, alpha).e_hit == pytest.approx(batch._expected(held, alpha))
+    assert one._hit_terms(option, alpha).e_hit == pytest.approx(one._expected(4, alpha))
+
+
+def test_late_grace_grows_with_acceptance_up_to_a_share_of_the_round():
+    """The wait a late step may cost is 0 where nothing is accepted, grows with acceptance, and never exceeds the
+    round's time over its tokens (at acceptance 1 the step adds one token to tokens + 1)."""
+    from hf_ssd.scheduling.schedule import late_grace_s
+
+    for tokens in (1, 3, 6):
+        graces = [late_grace_s(a / 20, tokens, 2.0) for a in range(21)]
+        assert graces[0] == 0.0 and graces == sorted(graces) and len(set(graces)) == len(graces)
+        assert graces[-1] == pytest.approx(2.0 / (tokens + 1))
+
+
 def test_decide_repredicts_the_shortlist_between_full_passes(monkeypatch):
     from hf_ssd.scheduling import schedule
 

@@ -24,6 +24,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..drafting.batch import BatchDrafter
 from ..drafting.drafter import CONTEXT_FREE
 from ..scheduling.costs import cost_model_for, estimates_of
-from ..scheduling.schedule import AUTO_BUDGETS, WIDE_BUDGETS, Option, Scheduler, allowed_options
+from ..scheduling.schedule import AUTO_BUDGETS, WIDE_BUDGETS, Option, Scheduler, allowed_options, late_grace_s
 from ..speculation.batch import Branch, Tree, speculate
 from ..speculation.outcomes import Outcome, bonus_rank
 from ..speculation.predictor import calibration_for, drafted_probs
@@ -120,6 +121,7 @@ class Round:
     verify_s: float = 0.0
     prefill: bool = False  # the first round: the target's prompt prefill alone
     hits: list[bool] = field(default_factory=list)  # per row: its candidates came from a pre-drafted branch
+    next: tuple | None = None  # (option, prediction, explored) of the next round, decided by this round's job
     job: Option | None = None  # the option of the next round, pre-drafted during this one's verify
     job_budget: int = 0  # branches per row of that job (`_job_budget`)
     tree: Tree | None = None
@@ -460,17 +462,17 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             with speculator.on_critical_path():
                 _propose(drafter, live, rnd)
             t1 = time.perf_counter()
-            feed = _verify_feed(live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
-            nxt = _decide(scheduler)  # in the prefill round too: its job pre-drafts round 2 behind the prefill
-            if nxt[0].kind == "ssd":
-                _submit(speculator, drafter, live, rnd, nxt[0], scheduler, allowed, inference, calibration,
-                        ssd_hooks or {})
+            feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
+            # The job decides the next round's option, then pre-drafts it if it is SSD (in the prefill round too:
+            # its job pre-drafts round 2 behind the prefill).
+            _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {})
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
-            logits, fed = _verify(target, feed)
+            logits, fed = _verify(target, feed, speculator.start)
             scores = process(live, rnd.candidates, logits)
             new_tokens = _accept(rnd, scores, do_sample)
             t3 = time.perf_counter()
             speculator.collect()  # the job stops at its next step; its error is raised here
+            nxt = rnd.next
             _commit(target, drafter, live, rnd, fed)
             kept = _advance(live, new_tokens, stops, rnd.explored)
             keep(live, kept, scores, logits)
@@ -653,32 +655,39 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
         row.ready = None
 
 
-def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, option: Option,
-            scheduler: Scheduler, allowed, inference: bool, calibration, hooks: dict) -> None:
-    """3. The next round's branches, pre-drafted while the target verifies this one."""
-    rnd.job, rnd.tree = option, Tree()
-    rnd.job_budget = budget = scheduler.job_budget(option.budget)  # `_job_budget`, as the model predicts it
-    with scheduler.costs.lock:
-        alpha = scheduler.costs.acceptance
-        rnd.job_predicted = [scheduler.hit_rate(budget, len(c), alpha, calibrated=False)
-                             for c in rnd.candidates]
-        verify_s = scheduler.costs.verify(max(map(len, rnd.candidates)), option.budget)
-        priors = [list(scheduler.costs.length_probs(len(c))) for c in rnd.candidates] if calibration else None
+def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, scheduler: Scheduler,
+            allowed, inference: bool, calibration, hooks: dict) -> None:
+    """3. The job beside the verify: it decides the next round's option (`rnd.next`) and, if that is SSD, pre-drafts
+    its branches. It starts as the target's forward starts (`_verify`), so that neither holds up the other's
+    Python (the interpreter lock): on the simulated device at B = 8 the decision took 0.55 ms a round on the
+    critical path, and the verify's first ops waited 1.3-2.3 ms a round for a job started before them."""
     candidates = [list(c) for c in rnd.candidates]
     # A prompt prefill's time is not a verify's: that job runs until the prefill ends (at most gamma + 1 steps).
-    timed = verify_s is not None and not scheduler.inline and not rnd.prefill
-    deadline = time.perf_counter() + verify_s if timed else None
+    timed = not scheduler.inline and not rnd.prefill
 
     def stage(name: str) -> None:  # tests plant faults at a job's stages (tests/test_faults.py)
         if name in hooks:
             hooks[name]()
 
     def job(should_stop):
+        start = time.perf_counter()
+        rnd.next = _decide(scheduler)
+        option = rnd.next[0]
+        if option.kind != "ssd":
+            return
+        rnd.job, rnd.tree = option, Tree()
+        rnd.job_budget = budget = scheduler.job_budget(option.budget)  # `_job_budget`, as the model predicts it
+        with scheduler.costs.lock:
+            alpha = scheduler.costs.acceptance
+            rnd.job_predicted = [scheduler.hit_rate(budget, len(c), alpha, calibrated=False) for c in candidates]
+            verify_s = scheduler.costs.verify(max(map(len, candidates)), option.budget)
+            priors = [list(scheduler.costs.length_probs(len(c))) for c in candidates] if calibration else None
+        deadline = start + verify_s if timed and verify_s is not None else None
         with torch.inference_mode(inference):
-            speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree,
-                      should_stop, deadline, calibration, priors, stage)
+            speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
+                      deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, verify_s))
 
-    speculator.submit(job)
+    speculator.submit(job, hold=True)
 
 
 def _job_budget(budget: int, share: int, live: int) -> int:
@@ -691,12 +700,11 @@ def _job_budget(budget: int, share: int, live: int) -> int:
     return max(budget, min(BATCH_BRANCHES, budget * share) // live)
 
 
-def _verify_feed(rows: list[Row], candidates: list[list[int]], pad: int):
-    """The verify's input: each row's unverified tokens (right-aligned) then its candidates, as (ids, valid,
-    positions, candidate tags), the candidate width, and the tokens fed per row. Built from lists (four tensors,
-    not four tensor ops a row), before the speculation job starts, whose Python competes for the interpreter
-    lock. (On the simulated device at B = 8 the round's time did not change: the wait moved into the target
-    forward's first ops, 1.4 ms a round beside a job against 0.1 ms without.)"""
+def _verify_feed(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
+    """The verify's input: each row's unverified tokens (right-aligned) then its candidates, as the target's block
+    (ids, valid, positions, candidate tags: `RaggedCache.block`), the candidate width, and the tokens fed per row.
+    Built from lists (four tensors, not four tensor ops a row), before the speculation job starts, whose Python
+    competes for the interpreter lock."""
     pending = [row.real[row.target_fed:] for row in rows]
     wp, g = max(len(p) for p in pending), max(len(c) for c in candidates)
     ids, valid, pos, tags = [], [], [], []
@@ -707,14 +715,15 @@ def _verify_feed(rows: list[Row], candidates: list[list[int]], pad: int):
         valid.append([0] * lo + [1] * n + [0] * right)
         pos.append([0] * lo + list(range(row.target_fed, row.target_fed + n)) + [0] * right)
         tags.append([0] * wp + list(range(1, len(c) + 1)) + [0] * right)
-    return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, valid, pos, tags)), g, [len(p) for p in pending]
+    ids, valid, pos, tags = (torch.tensor(x, dtype=torch.long) for x in (ids, valid, pos, tags))
+    return target.block(ids, valid, pos, tag=tags), g, [len(p) for p in pending]
 
 
-def _verify(target: RaggedCache, feed):
-    """4. One target forward over every row's `_verify_feed`. Returns (logits [rows, G + 1, V] at the last
-    unverified token and at every candidate position, tokens fed per row)."""
-    (ids, valid, pos, tags), g, fed = feed
-    return target.forward(ids, valid, pos, keep_last=g + 1, tag=tags), fed
+def _verify(target: RaggedCache, feed, launched: Callable[[], None]):
+    """4. One target forward over every row's `_verify_feed`; `launched` is called as it starts. Returns (logits
+    [rows, G + 1, V] at the last unverified token and at every candidate position, tokens fed per row)."""
+    block, g, fed = feed
+    return target.run(block, keep_last=g + 1, launched=launched), fed
 
 
 def _accept(rnd: Round, scores: list[torch.Tensor], do_sample: bool) -> list[list[int]]:

@@ -17,7 +17,6 @@ import torch
 
 from ..drafting.batch import BatchDrafter
 from ..loop.ragged import RaggedCache
-from ..scheduling.schedule import LATE_GRACE
 from .fanout import geometric_fanout
 from .outcomes import Outcome, placeholder_top, predict_outcomes, rank_outcomes
 from .predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
@@ -75,10 +74,12 @@ class Tree:
 def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: int, budget: int, alpha: float,
               allowed: Callable[[object, Outcome], bool], tree: Tree, should_stop: Callable[[], bool],
               deadline: float | None = None, calibration: AcceptanceCalibration | None = None,
-              priors: list[list[float]] | None = None, stage: Callable[[str], None] = lambda name: None) -> None:
+              priors: list[list[float]] | None = None, stage: Callable[[str], None] = lambda name: None,
+              grace: Callable[[int], float] = lambda tokens: 0.0) -> None:
     """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
-    `should_stop`, or until a step would end more than LATE_GRACE of a step after `deadline` (when the
-    verification is expected to end: the caller would wait for that step; its tokens are worth less than the wait).
+    `should_stop`, or until a step would end more than `grace(tokens its branches hold)` seconds after `deadline`
+    (when the verification is expected to end: the caller would wait for that step; `late_grace_s` says when its
+    tokens are worth the wait).
 
     An outcome whose bonus the draft can rank already (k below the row's drafted length: the draft's tops there)
     feeds its bonus in the first step. A row's last outcome needs the draft's distribution after its last
@@ -134,7 +135,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     # Per step only whole-tensor work: this thread's Python holds the interpreter lock the verifying caller needs.
     for j in range(steps):
         t = time.perf_counter()
-        if should_stop() or (deadline is not None and step_s is not None and t + (1 - LATE_GRACE) * step_s > deadline):
+        if should_stop() or (deadline is not None and step_s is not None and t + step_s > deadline + grace(j)):
             break
         if j:  # a copy's step-j token is its candidate j (j - 1 for a late one); full copies feed nothing
             valid = ((j - late) < gamma).long()[:, None]

@@ -1,7 +1,7 @@
 """The speculator's execution context: where background speculation runs and how it hands back results.
 
-One job is in flight at a time. `submit` starts it right after the round's candidates are returned; `collect`
-tells it that the verification outcome has arrived (so it stops at its next step boundary), waits for it, and
+One job is in flight at a time. `submit` starts it right after the round's candidates are returned (or, with
+`hold`, when the caller says `start`: as its verify begins); `collect` starts a held job if need be, tells it that the verification outcome has arrived (so it stops at its next step boundary), waits for it, and
 re-raises anything it raised, with its original traceback, in the caller's thread.
 """
 
@@ -40,13 +40,14 @@ class Speculator:
         self._wake = threading.Event()
         self._closing = False
         self._job: Job | None = None
+        self._held = False  # a job submitted, not started yet (`submit(hold=True)`)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.busy: list[tuple[float, float]] = []  # (start, end) of each job, perf_counter seconds
         self.in_flight = 0  # observable for tests: 1 while a background job is running
 
     # ----- public ----------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, hold: bool = False) -> None:
         if not self._done.is_set():
             raise RuntimeError("hf_ssd internal error: a speculation job is already in flight")
         self._arrived.clear()
@@ -59,7 +60,15 @@ class Speculator:
         self._ensure_thread()
         self._job = job
         self._done.clear()
-        self._wake.set()
+        self._held = hold
+        if not hold:
+            self._wake.set()
+
+    def start(self) -> None:
+        """Start the job submitted with `hold` (no-op otherwise)."""
+        if self._held:
+            self._held = False
+            self._wake.set()
 
     def signal(self) -> None:
         """The outcome is known: the job stops at its next step boundary (`collect` waits for that)."""
@@ -68,6 +77,7 @@ class Speculator:
     def collect(self) -> None:
         """Signal that the outcome is known, wait for the job, and raise its error here if it failed."""
         self._arrived.set()
+        self.start()
         if not self._done.wait(WAIT_TIMEOUT_S):
             raise SpeculatorTimeout(self._stuck("its current draft step"))
         self.raise_pending()
