@@ -270,14 +270,20 @@ def test_batched_stats_say_what_ran(pair):
 def test_a_batchs_stats_split_its_time_and_record_its_timeline(pair, layout, tmp_path):
     """A batch's stats hold its busy intervals: the verify's time, and the job's pre-drafting overlapping it on
     its thread (a bubble ratio under 1; inline, the job runs before the verify: no overlap); with
-    record_timeline, one event per round, which `hf_ssd.plot_timeline` draws."""
+    record_timeline, one event per round, which `hf_ssd.plot_timeline` draws. Every round is in them, the last
+    one too (a round is measured by the next round's job, the last at the end)."""
     target, close, _ = pair
     ids, mask = padded_batch([4, 6, 5], 11)
     config = SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout=layout, record_timeline=True, **QUIET)
-    stats = target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=NEW,
-                            ssd_config=config, return_dict_in_generate=True).ssd_stats
+    forwards = []
+    handle = target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        stats = target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False,
+                                max_new_tokens=NEW, ssd_config=config, return_dict_in_generate=True).ssd_stats
+    finally:
+        handle.remove()
     events = stats.timeline
-    assert len(events) == stats.rounds and events[0]["option"] == "prefill"
+    assert len(events) == stats.rounds == len(forwards) and events[0]["option"] == "prefill"
     assert all(e["t_request"] <= e["t_return"] <= e["t_verified"] for e in events)
     assert sum(e["accepted"] for e in events) == stats.accepted_tokens
     assert sum(e["n_candidates"] for e in events) == stats.proposed_tokens
@@ -770,9 +776,9 @@ def test_a_loop_call_sums_its_rounds_tokens_a_row(pair, monkeypatch, name):
         calls.append((max(r.new for r in rows) - 1, rated))
         return measure_call(costs, rows, seconds, explored_s, rated)
 
-    def spy_round(scheduler, stats, rnd, live, tokens, first, *args):
+    def spy_round(scheduler, stats, rnd, live, tops, tokens, first, *args):
         rounds.append((tokens / len(live), len(live), first))
-        return measure(scheduler, stats, rnd, live, tokens, first, *args)
+        return measure(scheduler, stats, rnd, live, tops, tokens, first, *args)
 
     monkeypatch.setattr(loop, "_measure_call", spy_call)
     monkeypatch.setattr(loop, "_measure", spy_round)

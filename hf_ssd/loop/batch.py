@@ -449,6 +449,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     call_costs = plan.scheduler(len(rows)).costs  # the call's verdict on plain decoding is kept at its batch size
     share = len(rows) if plan.auto_budgets else 0  # rows whose job branches the live rows share (`_job_budget`)
     first, nxt, decoding = True, None, None
+    measure = None  # the last round's measuring, done by the next round's job beside its verify (or at the end)
     rated = [0.0, 0.0]  # the decode rounds of the call's size: tokens a row as rates count them, seconds
     try:
         with speculator.on_critical_path():
@@ -465,7 +466,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             # The job decides the next round's option, then pre-drafts it if it is SSD (in the prefill round too:
             # its job pre-drafts round 2 behind the prefill).
-            _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {})
+            _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {},
+                    measure)
+            measure = None
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, feed, speculator.start)
             scores = process(live, rnd.candidates, logits)
@@ -482,11 +485,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0, t3 - t2, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
-            _measure(own, stats, rnd, live, sum(kept), first, do_sample, calibration)
+            measure = functools.partial(_measure, own, stats, rnd, list(live), [r.tops for r in live], sum(kept),
+                                        first, do_sample, calibration, ssd_config.record_timeline)
             if not first and _size(len(live)) == _size(len(rows)):
                 rated[0] += sum(kept) / len(live)
                 rated[1] += rnd.draft_s + rnd.verify_s + rnd.overhead_s
-            _record(stats, rnd, len(live), ssd_config.record_timeline)
             first = False
             live = _leave(live, target, drafter)
             decoding = decoding or time.perf_counter()  # the target's prefill done: decoding starts
@@ -497,6 +500,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             logger.error("hf_ssd: closing the speculator after %s also failed: %r", type(err).__name__, close_err)
         raise
     speculator.close()
+    if measure is not None:
+        measure()
     stats.intervals["speculate"] = list(speculator.busy)
     if decoding is not None:
         _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds, rated)
@@ -656,11 +661,12 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
 
 
 def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, scheduler: Scheduler,
-            allowed, inference: bool, calibration, hooks: dict) -> None:
-    """3. The job beside the verify: it decides the next round's option (`rnd.next`) and, if that is SSD, pre-drafts
-    its branches. It starts as the target's forward starts (`_verify`), so that neither holds up the other's
-    Python (the interpreter lock): on the simulated device at B = 8 the decision took 0.55 ms a round on the
-    critical path, and the verify's first ops waited 1.3-2.3 ms a round for a job started before them."""
+            allowed, inference: bool, calibration, hooks: dict, measure: Callable[[], None] | None) -> None:
+    """3. The job beside the verify: it measures the last round (`measure`, `_measure`), decides the next round's
+    option (`rnd.next`) and, if that is SSD, pre-drafts its branches. It starts as the target's forward starts
+    (`_verify`), so that neither holds up the other's Python (the interpreter lock): on the simulated device at
+    B = 8 measuring and deciding took 0.3 and 0.55 ms a round on the critical path, and the verify's first ops
+    waited 1.3-2.3 ms a round for a job started before them."""
     candidates = [list(c) for c in rnd.candidates]
     # A prompt prefill's time is not a verify's: that job runs until the prefill ends (at most gamma + 1 steps).
     timed = not scheduler.inline and not rnd.prefill
@@ -671,6 +677,8 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
 
     def job(should_stop):
         start = time.perf_counter()
+        if measure is not None:
+            measure()
         rnd.next = _decide(scheduler)
         option = rnd.next[0]
         if option.kind != "ssd":
@@ -814,10 +822,10 @@ def _leave(live: list[Row], target: RaggedCache, drafter: BatchDrafter) -> list[
     return live
 
 
-def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tokens: int, first: bool,
-             do_sample: bool, calibration=None) -> None:
+def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tops: list[list], tokens: int,
+             first: bool, do_sample: bool, calibration=None, timeline: bool = False) -> None:
     """The round's costs, acceptance and the job's hits into the pair's estimates at this batch size, and into
-    the stats."""
+    the stats (`_record`). `tops`: each row's draft tops of the round (the next round replaces `Row.tops`)."""
     costs = scheduler.costs
     n = max(len(c) for c in rnd.candidates)
     drafted_now = max((len(c) for c, hit in zip(rnd.candidates, rnd.hits) if not hit), default=0)
@@ -833,15 +841,15 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
         verified, confident = [], []
         stopped = bool(rnd.option.stop)  # a confidence stop chose each row's length: not a per-position sample
-        for row, c, k, bonus in zip(live, rnd.candidates, rnd.accepted, rnd.bonus):
+        for row_tops, c, k, bonus in zip(tops, rnd.candidates, rnd.accepted, rnd.bonus):
             next_kept = None
-            if k < len(row.tops) and row.tops[k] is not None:  # where the bonus ranked among the draft's tops
-                rank = bonus_rank(row.tops[k], c[k] if k < len(c) else None, bonus)
+            if k < len(row_tops) and row_tops[k] is not None:  # where the bonus ranked among the draft's tops
+                rank = bonus_rank(row_tops[k], c[k] if k < len(c) else None, bonus)
                 costs.add_rank(rank)
                 if k == len(c) and not do_sample and not stopped:  # greedy: would a longer draft have kept it
                     next_kept = rank == 0
             verified.append((k, len(c), next_kept))
-            known = row.tops[: len(c)]
+            known = row_tops[: len(c)]
             if c and all(t is not None for t in known):  # the draft's confidence at each candidate (`sd(g, c)`)
                 confident.append(([float(t[0][0]) for t in known], k))
             if calibration is not None and c:  # P(accept | the draft's confidence), for the next jobs' P(k)
@@ -882,6 +890,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
     stats.accepted_tokens += sum(rnd.accepted)
     stats.new_tokens += tokens
     stats.fallback_draft_time += rnd.draft_s
+    _record(stats, rnd, len(live), timeline)
 
 
 def _record(stats: SSDStats, rnd: Round, rows: int, timeline: bool) -> None:
