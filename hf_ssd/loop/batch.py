@@ -464,8 +464,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _propose(drafter, live, rnd)
             t1 = time.perf_counter()
             feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
-            # The job decides the next round's option, then pre-drafts it if it is SSD (in the prefill round too:
-            # its job pre-drafts round 2 behind the prefill).
+            # The job measures the last round, decides the next round's option, then pre-drafts it if it is SSD
+            # (in the prefill round too: its job pre-drafts round 2 behind the prefill).
             _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {},
                     measure)
             measure = None
@@ -486,7 +486,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0, t3 - t2, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
             measure = functools.partial(_measure, own, stats, rnd, list(live), [r.tops for r in live], sum(kept),
-                                        first, do_sample, calibration, ssd_config.record_timeline)
+                                        first, do_sample, calibration, ssd_config.record_timeline, own.job_budget)
             if not first and _size(len(live)) == _size(len(rows)):
                 rated[0] += sum(kept) / len(live)
                 rated[1] += rnd.draft_s + rnd.verify_s + rnd.overhead_s
@@ -823,9 +823,11 @@ def _leave(live: list[Row], target: RaggedCache, drafter: BatchDrafter) -> list[
 
 
 def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tops: list[list], tokens: int,
-             first: bool, do_sample: bool, calibration=None, timeline: bool = False) -> None:
+             first: bool, do_sample: bool, calibration=None, timeline: bool = False, job_budget=None) -> None:
     """The round's costs, acceptance and the job's hits into the pair's estimates at this batch size, and into
-    the stats (`_record`). `tops`: each row's draft tops of the round (the next round replaces `Row.tops`)."""
+    the stats (`_record`). Run by the next round's job: `tops` are each row's draft tops of the round (the next
+    round replaces `Row.tops`), `job_budget` the round's own (`_job_budget`: the next round's live rows may
+    differ), under which the model's prediction for the round is made."""
     costs = scheduler.costs
     n = max(len(c) for c in rnd.candidates)
     drafted_now = max((len(c) for c, hit in zip(rnd.candidates, rnd.hits) if not hit), default=0)
@@ -836,7 +838,11 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             if drafted_now:
                 costs.add_draft(drafted_now, rnd.draft_s)
             costs.add_verify(n, rnd.verify_s, job.budget if job is not None and not scheduler.inline else None)
-            model = scheduler.model(rnd.option)
+            decided_with, scheduler.job_budget = scheduler.job_budget, job_budget or scheduler.job_budget
+            try:
+                model = scheduler.model(rnd.option)
+            finally:
+                scheduler.job_budget = decided_with
             if model is not None:
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
         verified, confident = [], []
