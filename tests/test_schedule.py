@@ -787,7 +787,7 @@ def test_a_batch_jobs_hit_holds_a_late_step_only_where_acceptance_pays_for_the_w
     costs.record = type(costs.record)()  # no record forward (the deferred record)
     tv = costs.verify(8, 8)
     assert 4 * 0.29 - tv == pytest.approx(0.09, abs=0.01)
-    assert (late_grace_s(alpha, 3, tv) > 4 * 0.29 - tv) == (held == 4)
+    assert (late_grace_s(alpha, 3, 8, tv) > 4 * 0.29 - tv) == (held == 4)
     option = Option("ssd", 8, 8)
     batch = Scheduler(SSDConfig(), costs, [option], option, inline=False, rows=4)
     one = Scheduler(SSDConfig(), costs, [option], option, inline=False)
@@ -797,13 +797,21 @@ def test_a_batch_jobs_hit_holds_a_late_step_only_where_acceptance_pays_for_the_w
 
 def test_late_grace_grows_with_acceptance_up_to_a_share_of_the_round():
     """The wait a late step may cost is 0 where nothing is accepted, grows with acceptance, and never exceeds the
-    round's time over its tokens (at acceptance 1 the step adds one token to tokens + 1)."""
+    round's time over its tokens (at acceptance 1 the step adds one token to tokens + 1). The step past gamma,
+    which only the late branches (k = gamma, P ~ a^gamma) use, brings its token to a^gamma of the hits: its
+    grace is a^(gamma - 1) of a step that grows every branch from as many tokens."""
     from hf_ssd.scheduling.schedule import late_grace_s
 
     for tokens in (1, 3, 6):
-        graces = [late_grace_s(a / 20, tokens, 2.0) for a in range(21)]
+        graces = [late_grace_s(a / 20, tokens, 8, 2.0) for a in range(21)]
         assert graces[0] == 0.0 and graces == sorted(graces) and len(set(graces)) == len(graces)
         assert graces[-1] == pytest.approx(2.0 / (tokens + 1))
+    for gamma in (2, 3, 5):
+        for a in (0.5, 0.8, 0.95):
+            late_only = late_grace_s(a, gamma, gamma, 2.0)
+            assert late_only == pytest.approx(late_grace_s(a, gamma, gamma + 1, 2.0) * a ** (gamma - 1))
+            assert late_only < late_grace_s(a, gamma - 1, gamma, 2.0)
+        assert late_grace_s(1.0, gamma, gamma, 2.0) == pytest.approx(2.0 / (gamma + 1))
 
 
 def test_decide_repredicts_the_shortlist_between_full_passes(monkeypatch):

@@ -693,7 +693,7 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         deadline = start + verify_s if timed and verify_s is not None else None
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
-                      deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, verify_s))
+                      deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s))
 
     speculator.submit(job, hold=True)
 

@@ -46,14 +46,18 @@ FULL_EVERY = 4  # decisions between two predictions of every option
 SHORTLIST = 8  # options re-predicted at the other decisions: the best of the last full pass
 
 
-def late_grace_s(alpha: float, tokens: int, round_s: float) -> float:
+def late_grace_s(alpha: float, tokens: int, gamma: int, round_s: float) -> float:
     """Seconds a batch's speculation job may let a step end past the expected outcome when it brings its branches
     from `tokens` to tokens + 1 each (the caller waits for it: a step cannot be cut). It pays while the round's
     tokens grow by a larger share than its time: a hit keeps the new token with P ~ alpha^(tokens + 1), out of
-    a round's sum of alpha^i, i <= tokens. (Simulated device, B = 8, acceptance ~0.6: a fixed half step let a
-    4th step end 3.5-5.4 ms past a 40-ms verify in half the jobs, 1.70-1.72x; no late step at all, 1.75-1.76x.)"""
+    a round's sum of alpha^i, i <= tokens. The step past `gamma` grows only the late branches (k = gamma, bonus
+    ranked by the job's first step), whose outcome comes with P ~ alpha^gamma. (Simulated device, B = 8,
+    acceptance ~0.6: a fixed half step let a 4th step end 3.5-5.4 ms past a 40-ms verify in half the jobs,
+    1.70-1.72x; no late step at all, 1.75-1.76x.)"""
     alpha = min(max(alpha, 0.0), 1.0)
-    return round_s * alpha ** (tokens + 1) / sum(alpha**i for i in range(tokens + 1))
+    # A late branch's step j brings its j-th token (its first step chose its bonus).
+    kept = alpha ** (gamma + tokens) if tokens >= gamma else alpha ** (tokens + 1)
+    return round_s * kept / sum(alpha**i for i in range(min(tokens, gamma) + 1))
 
 
 @dataclass(frozen=True)
@@ -380,7 +384,7 @@ class Scheduler:
             if self.batch:  # `late_grace_s`, step by step
                 a = c.acceptance if alpha is None else alpha
                 steps = 1
-                while steps <= g and record + (steps + 1) * step <= tv + late_grace_s(a, steps, tv):
+                while steps <= g and record + (steps + 1) * step <= tv + late_grace_s(a, steps, g, tv):
                     steps += 1
             else:
                 steps = max(1, math.floor(max(0.0, tv - record) / step + LATE_GRACE))
