@@ -356,8 +356,6 @@ def _one_prompt_config(config: SSDConfig) -> list[str]:
     """The settings of `config` that only the single-prompt path serves."""
     odd = [f"{name}={getattr(config, name)!r}" for name, default in _ONE_PROMPT_ONLY.items()
            if getattr(config, name) != default]
-    if isinstance(config.fanout, list):
-        odd.append("fanout=[...] (a list)")
     if config.fallback == "ngram":
         odd.append("fallback='ngram'")
     return odd
@@ -375,8 +373,8 @@ def _check_batch_config(config: SSDConfig, rows: int) -> None:
         raise SSDUsageError(
             f"{', '.join(odd)}: {'this setting serves' if len(odd) == 1 else 'these settings serve'} one prompt at "
             f"a time, and this call has a batch of {rows}. Leave {'it' if len(odd) == 1 else 'them'} at the default "
-            "for batches (gamma, fanout_budget, fallback 'sd'/'short'/'ar', layout and schedule apply), or "
-            "generate the prompts one at a time."
+            "for batches (gamma, fanout_budget or a fanout list, fallback 'sd'/'short'/'ar', layout and schedule "
+            "apply), or generate the prompts one at a time."
         )
 
 

@@ -9,6 +9,7 @@ distribution (tests/test_sampling.py), rows at different acceptance. Users: pipe
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 
@@ -50,6 +51,8 @@ CONFIGS = {
     "ssd_g2_b2_thread": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="thread", **QUIET), None),
     "ssd_g3_b4_geometric": (SSDConfig(gamma=3, fanout_budget=4, fanout="geometric", schedule="fixed",
                                       layout="inline", **QUIET), None),
+    # The user's bonuses per k (k = 0..3), the scheduler choosing among the SSD options it leaves.
+    "ssd_g3_list": (SSDConfig(gamma=3, fanout=[2, 1, 0, 1], layout="inline", **QUIET), None),
 }
 
 
@@ -979,13 +982,14 @@ def _job_setup(pair, lengths, seed, gamma, do_sample=False):
     return noisy, drafter, rows, candidates
 
 
-@pytest.mark.parametrize("fanout", ["geometric", "calibrated"])
+@pytest.mark.parametrize("fanout", ["geometric", "calibrated", "list"])
 @pytest.mark.parametrize("seed", range(3))
 def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, seed, fanout):
     """A job's branch for outcome (k, bonus) must hold what the draft alone drafts after the row's tokens, its
     first k candidates and the bonus, both for branches fed their bonus in the first step and for late ones (the
-    row's last outcome: its bonus ranked in the first step, fed in the second), with either fan-out. The draft's
-    own rows stay as the round left them. Fails on a wrong position, mask or tag in a branch's copy."""
+    row's last outcome: its bonus ranked in the first step, fed in the second), with every fan-out. The draft's
+    own rows stay as the round left them. Fails on a wrong position, mask or tag in a branch's copy. A fan-out
+    list gives each row exactly its bonuses per k (its first g + 1 entries for a row of g candidates)."""
     from hf_ssd.speculation.batch import Tree, speculate
     from hf_ssd.speculation.predictor import AcceptanceCalibration
 
@@ -995,8 +999,13 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
     tree = Tree()
     calibrated = {"calibration": AcceptanceCalibration(), "priors": [[0.3, 0.2, 0.1, 0.4][: len(c) + 1]
                                                                       if c else [1.0] for c in candidates]}
+    listed = [3, 0, 2, 2]
     speculate(drafter, rows, candidates, gamma, 16, 0.6, lambda row, o: True, tree, lambda: False,
-              **(calibrated if fanout == "calibrated" else {}))
+              **(calibrated if fanout == "calibrated" else {"fanout": listed} if fanout == "list" else {}))
+    if fanout == "list":
+        for i, c in enumerate(candidates):
+            per_k = collections.Counter(b.outcome.accepted for b in tree.branches if b.row == i)
+            assert per_k == collections.Counter({k: n for k, n in enumerate(listed[: len(c) + 1]) if n}), (i, c)
     assert torch.equal(drafter.kv.mask, before[0]) and torch.equal(drafter.kv.tag, before[1])
     assert [(r.draft_fed, r.draft_feed, r.tagged) for r in rows] == before[2]
     late = [b for b in tree.branches if b.rank is not None]

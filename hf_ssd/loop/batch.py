@@ -153,8 +153,10 @@ class BatchPlan:
         self.target, self.draft, self.config, self.do_sample = target, draft, config, do_sample
         self.layout, self.top_k = layout, top_k
         fixed_budget, _ = config.resolved_budget(draft.device.type == "cuda")
+        if isinstance(config.fanout, list):  # the user's bonuses per k: that many branches a row
+            fixed_budget = sum(config.fanout)
         self.options, self.default = batch_options(config, fixed_budget, hooks)
-        self.auto_budgets = not (config.is_set("fanout_budget") or config.schedule == "fixed")
+        self.auto_budgets = not (config.is_set("fanout_budget") or config.is_set("fanout") or config.schedule == "fixed")
         self._schedulers: dict[int, Scheduler] = {}
 
     def scheduler(self, rows: int) -> Scheduler:
@@ -318,6 +320,11 @@ class BatchPlan:
         return out
 
 
+def _listed(fanout) -> list[int]:
+    """An explicit fan-out list's entries (bonuses per k), or none."""
+    return list(fanout) if isinstance(fanout, list) else []
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -412,7 +419,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
     plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {},
-                     top_k=max(AUTO_BUDGETS + WIDE_BUDGETS) + 1)
+                     top_k=max(AUTO_BUDGETS + WIDE_BUDGETS + tuple(_listed(ssd_config.fanout))) + 1)
     ssd_stats.batch_size = len(rows)
     if (ssd_hooks or {}).get("plain", True) and plan.plain(rows, generation_config.max_length - input_ids.shape[1]):
         return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
@@ -668,6 +675,7 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
     B = 8 measuring and deciding took 0.3 and 0.55 ms a round on the critical path, and the verify's first ops
     waited 1.3-2.3 ms a round for a job started before them."""
     candidates = [list(c) for c in rnd.candidates]
+    fanout = scheduler.config.fanout if isinstance(scheduler.config.fanout, list) else None
     # A prompt prefill's time is not a verify's: that job runs until the prefill ends (at most gamma + 1 steps).
     timed = not scheduler.inline and not rnd.prefill
 
@@ -693,7 +701,8 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         deadline = start + verify_s if timed and verify_s is not None else None
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
-                      deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s))
+                      deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s),
+                      fanout=fanout)
 
     speculator.submit(job, hold=True)
 

@@ -79,7 +79,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
               allowed: Callable[[object, Outcome], bool], tree: Tree, should_stop: Callable[[], bool],
               deadline: float | None = None, calibration: AcceptanceCalibration | None = None,
               priors: list[list[float]] | None = None, stage: Callable[[str], None] = lambda name: None,
-              grace: Callable[[int], float] = lambda tokens: 0.0) -> None:
+              grace: Callable[[int], float] = lambda tokens: 0.0, fanout: list[int] | None = None) -> None:
     """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
     `should_stop`, or until a step would end more than `grace(tokens its branches hold)` seconds after `deadline`
     (when the verification is expected to end: the caller would wait for that step; `late_grace_s` says when its
@@ -96,8 +96,8 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     With a `calibration` (`fanout="calibrated"`) each row's budget goes to its likeliest outcomes overall
     (`rank_outcomes`), P(k) from the draft's confidence in each candidate, hedged with the row's measured law
     (`priors`, P(k) per row from the per-position acceptance); otherwise per k by the geometric split at
-    `alpha`. Either way the share of k = g outcomes whose bonus the draft has not ranked yet goes to late
-    branches. `stage`: called at each stage ("predict", then per step "draft" and "insert"; tests plant faults)."""
+    `alpha`, or by the caller's `fanout` list (bonuses per k, `SSDConfig.fanout`). Either way the share of
+    k = g outcomes whose bonus the draft has not ranked yet goes to late branches. `stage`: called at each stage ("predict", then per step "draft" and "insert"; tests plant faults)."""
     stage("predict")
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
         return
@@ -107,7 +107,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         pk = None
         if calibration is not None:
             pk = hedged_length_probs(calibration, drafted_probs(c, row.tops[: len(c)]), priors[r])
-        outcomes, late = _outcomes(row, c, budget, alpha, pk)
+        outcomes, late = _outcomes(row, c, budget, alpha, pk, fanout)
         for o in outcomes:
             if allowed(row, o):
                 picks.append(r)
@@ -165,13 +165,15 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         ids, pos, nxt = chosen[:, None], nxt, nxt + 1
 
 
-def _outcomes(row, c: list[int], budget: int, alpha: float, pk: list[float] | None) -> tuple[list[Outcome], int]:
+def _outcomes(row, c: list[int], budget: int, alpha: float, pk: list[float] | None,
+              fixed: list[int] | None = None) -> tuple[list[Outcome], int]:
     """A row's outcomes to pre-draft now, and how many late branches (k = g, bonus ranked by the first step) to
-    add when the draft has not read past its last candidate."""
+    add when the draft has not read past its last candidate. `fixed`: the user's bonuses per k (its first g + 1
+    entries), else the geometric split of `budget`."""
     g = len(c)
     known = g < len(row.tops) and row.tops[g] is not None
     if pk is None:
-        fanout = geometric_fanout(budget, alpha, g)
+        fanout = fixed[: g + 1] + [0] * (g + 1 - len(fixed)) if fixed is not None else geometric_fanout(budget, alpha, g)
         ranked = fanout if known else fanout[:g] + [0]
         return predict_outcomes(c, row.tops[: g + 1], ranked, alpha, budget), 0 if known else fanout[g]
     if not known and g == 0:
