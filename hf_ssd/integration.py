@@ -354,11 +354,8 @@ _ONE_PROMPT_ONLY = {"pipeline_depth": 1, "saguaro_c": None, "max_outcomes": None
 
 def _one_prompt_config(config: SSDConfig) -> list[str]:
     """The settings of `config` that only the single-prompt path serves."""
-    odd = [f"{name}={getattr(config, name)!r}" for name, default in _ONE_PROMPT_ONLY.items()
-           if getattr(config, name) != default]
-    if config.fallback == "ngram":
-        odd.append("fallback='ngram'")
-    return odd
+    return [f"{name}={getattr(config, name)!r}" for name, default in _ONE_PROMPT_ONLY.items()
+            if getattr(config, name) != default]
 
 
 def _internals_asked(model, kwargs) -> list[str]:
@@ -373,8 +370,8 @@ def _check_batch_config(config: SSDConfig, rows: int) -> None:
         raise SSDUsageError(
             f"{', '.join(odd)}: {'this setting serves' if len(odd) == 1 else 'these settings serve'} one prompt at "
             f"a time, and this call has a batch of {rows}. Leave {'it' if len(odd) == 1 else 'them'} at the default "
-            "for batches (gamma, fanout_budget or a fanout list, fallback 'sd'/'short'/'ar', layout and schedule "
-            "apply), or generate the prompts one at a time."
+            "for batches (gamma, fanout_budget or a fanout list, fallback, layout and schedule apply), or generate "
+            "the prompts one at a time."
         )
 
 

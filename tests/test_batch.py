@@ -53,6 +53,9 @@ CONFIGS = {
                                       layout="inline", **QUIET), None),
     # The user's bonuses per k (k = 0..3), the scheduler choosing among the SSD options it leaves.
     "ssd_g3_list": (SSDConfig(gamma=3, fanout=[2, 1, 0, 1], layout="inline", **QUIET), None),
+    # A miss looks its candidates up in the row's own context (prompt lookup) instead of drafting them.
+    "ssd_g3_ngram": (SSDConfig(gamma=3, fanout_budget=2, fallback="ngram", ngram_size=2, schedule="fixed",
+                               layout="inline", **QUIET), None),
 }
 
 
@@ -200,10 +203,11 @@ def test_families_batched(family, attn):
         assert_rows_exact(target, draft, ids, mask, name, batched_reference=attn == "sdpa")
 
 
-@pytest.mark.parametrize("name", ["sd_g2", "sd_conf", "ssd_g2_b2"])
-def test_sampling_rows_match_target_distribution(name):
+@pytest.mark.parametrize("name", ["sd_g2", "sd_conf", "ssd_g2_b2", "ssd_g2_ngram"])
+def test_sampling_rows_match_target_distribution(name, monkeypatch):
     """Two prompts (different acceptance), each twice in a batch of 4: every row's samples follow the target's
-    exact distribution (false-fail rate < 1e-4 per prompt, as in tests/test_sampling.py)."""
+    exact distribution (false-fail rate < 1e-4 per prompt, as in tests/test_sampling.py). ssd_g2_ngram: missed
+    rows propose their n-gram lookup (unigrams: the tiny vocabulary repeats), verified against a point mass."""
     target, draft = sampling_pair()
     prompts = [[2, 3], [4, 1]]
     joints = []
@@ -221,7 +225,11 @@ def test_sampling_rows_match_target_distribution(name):
         "sd_g2": (SSDConfig(gamma=2, **QUIET), only("sd")),
         "sd_conf": (SSDConfig(**QUIET), {"options": lambda options: [o for o in options if o.stop]}),
         "ssd_g2_b2": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="inline", **QUIET), None),
+        "ssd_g2_ngram": (SSDConfig(gamma=2, fanout_budget=1, fallback="ngram", ngram_size=1, schedule="fixed",
+                                   layout="inline", **QUIET), None),
     }[name]
+    looked_up, lookup = [], loop.ngram_lookup
+    monkeypatch.setattr(loop, "ngram_lookup", lambda *a: looked_up.append(lookup(*a)) or looked_up[-1])
     torch.manual_seed(4321)
     samples: list[list[tuple]] = [[], []]
     proposed = accepted = hits = 0
@@ -235,6 +243,7 @@ def test_sampling_rows_match_target_distribution(name):
         hits += stats.cache_hits
     assert 0 < accepted < proposed  # both paths: accepted candidates and rejections (residual draws)
     assert (hits > 0) == name.startswith("ssd")  # SSD: candidates from pre-drafted branches too
+    assert any(looked_up) == name.endswith("ngram")
     for p, s, joint in zip(prompts, samples, joints):
         assert_matches_target(s, joint, f"prompt {p}")
 
@@ -476,10 +485,47 @@ def test_the_prefill_rounds_job_pre_drafts_the_first_decoding_round(pair, monkey
     assert stats.rounds == 2 and drafted_now == []  # nothing drafted on the critical path
 
 
+@pytest.mark.parametrize("right", [True, False])
+def test_a_missed_row_verifies_its_ngram_lookup(pair, monkeypatch, right):
+    """fallback="ngram": a row without a branch proposes what the lookup returns for its own context, and the
+    verify keeps exactly what the target would have generated. A lookup that knows each row's answer (`right`)
+    has all its candidates kept; one that proposes wrong tokens has the round keep the target's own, exact."""
+    target, _, noisy = pair
+    ids, mask = padded_batch(lengths_for(5, 4), 4)
+    want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    width = ids.shape[1]
+    answers = [want[i, width - int(mask[i].sum()):].tolist() for i in range(ids.shape[0])]
+
+    def lookup(context, n, size):
+        assert size == 2
+        answer = next(a for a in answers if a[: len(context)] == context)
+        follow = answer[len(context): len(context) + n]
+        return follow if right else [(t + 1) % 96 for t in follow]
+
+    monkeypatch.setattr(loop, "ngram_lookup", lookup)
+    kept = []
+    accept = loop._accept
+    monkeypatch.setattr(loop, "_accept", lambda rnd, *a: kept.append(rnd) or accept(rnd, *a))
+    config = SSDConfig(gamma=3, fanout_budget=1, fallback="ngram", ngram_size=2, schedule="fixed", layout="inline",
+                       **QUIET)
+    out = target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=config)
+    assert torch.equal(out, want)
+    looked = [(len(c), k) for rnd in kept for c, k, lu in zip(rnd.candidates, rnd.accepted, rnd.looked_up) if lu]
+    assert looked and all(n > 0 for n, _ in looked)
+    if right:
+        assert all(k == n for n, k in looked)
+    else:
+        assert all(k == 0 for _, k in looked)
+    missed = [lu for rnd in kept if rnd.option.kind == "ssd"
+              for hit, lu, n in zip(rnd.hits, rnd.looked_up, rnd.limits) if not hit and n > 0]
+    assert missed and all(missed)  # every miss of an SSD round with room left looked up; none drafted
+
+
 @pytest.mark.parametrize(("kw", "phrase"), [
     ({"pipeline_depth": 2}, "pipeline_depth=2: this setting serves one prompt at a time"),
     ({"saguaro_c": 0.5, "cache_size": 8}, "saguaro_c=0.5, cache_size=8: these settings serve one prompt"),
-    ({"fallback": "ngram"}, "fallback='ngram': this setting serves one prompt"),
+    ({"eviction": "lru"}, "eviction='lru': this setting serves one prompt"),
 ])
 def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):
     target, close, _ = pair

@@ -37,6 +37,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..drafting.batch import BatchDrafter
 from ..drafting.drafter import CONTEXT_FREE
+from ..drafting.fallback import ngram_lookup
 from ..scheduling.costs import cost_model_for, estimates_of
 from ..scheduling.schedule import AUTO_BUDGETS, WIDE_BUDGETS, Option, Scheduler, allowed_options, late_grace_s
 from ..speculation.batch import Branch, Tree, speculate
@@ -121,6 +122,7 @@ class Round:
     verify_s: float = 0.0
     prefill: bool = False  # the first round: the target's prompt prefill alone
     hits: list[bool] = field(default_factory=list)  # per row: its candidates came from a pre-drafted branch
+    looked_up: list[bool] = field(default_factory=list)  # per row: its candidates came from the n-gram lookup
     next: tuple | None = None  # (option, prediction, explored) of the next round, decided by this round's job
     job: Option | None = None  # the option of the next round, pre-drafted during this one's verify
     job_budget: int = 0  # branches per row of that job (`_job_budget`)
@@ -441,6 +443,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     calibration = (calibration_for(ssd_draft, do_sample, ssd_config.initial_acceptance)
                    if ssd_config.fanout == "calibrated" and ssd_config.passed("fanout") else None)
     stops = _stop_rule(stopping_criteria, input_ids.device)
+    ngram = ssd_config.ngram_size if ssd_config.fallback == "ngram" else 0  # a miss's lookup: its longest n-gram
     max_length = generation_config.max_length
     stats = ssd_stats
     live = [r for r in rows if len(r.ids) < max_length]
@@ -468,7 +471,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
-                _propose(drafter, live, rnd)
+                _propose(drafter, live, rnd, ngram)
             t1 = time.perf_counter()
             feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             # The job measures the last round, decides the next round's option, then pre-drafts it if it is SSD
@@ -648,9 +651,13 @@ def _fallback_length(scheduler: Scheduler, option: Option, config) -> int:
     return option.gamma
 
 
-def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
-    """2. Candidates for every row: a hit's pre-drafted branch, or the draft's tokens now."""
-    draw = [0 if hit else n for hit, n in zip(rnd.hits, rnd.limits)]
+def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0) -> None:
+    """2. Candidates for every row: a hit's pre-drafted branch, or the draft's tokens now; with `ngram` (the
+    "ngram" fallback's longest n-gram) a missed row of an SSD round looks its candidates up in its own context
+    instead (prompt lookup: no draft forward; a point-mass q when sampling, which verification keeps exact)."""
+    lookup = ngram > 0 and rnd.option.kind == "ssd"
+    rnd.looked_up = [lookup and not hit and n > 0 for hit, n in zip(rnd.hits, rnd.limits)]
+    draw = [0 if hit or looked else n for hit, looked, n in zip(rnd.hits, rnd.looked_up, rnd.limits)]
     if max(draw, default=0) > 0:
         rnd.candidates, rnd.q = drafter.propose(live, draw, stop=rnd.option.stop)
     else:
@@ -658,6 +665,11 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
     for i, (row, hit, n) in enumerate(zip(live, rnd.hits, rnd.limits)):
         if not hit and not draw[i]:
             row.tops = []  # nothing drafted for this row this round
+        if rnd.looked_up[i]:
+            tokens = ngram_lookup(row.real, n, ngram)
+            rnd.candidates[i] = tokens
+            if drafter.do_sample and tokens:
+                rnd.q[i] = torch.nn.functional.one_hot(torch.tensor(tokens), drafter.vocab).float()
         if hit:
             b = row.ready
             rnd.candidates[i] = b.tokens[:n]
@@ -839,7 +851,9 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
     differ), under which the model's prediction for the round is made."""
     costs = scheduler.costs
     n = max(len(c) for c in rnd.candidates)
-    drafted_now = max((len(c) for c, hit in zip(rnd.candidates, rnd.hits) if not hit), default=0)
+    looked_up = rnd.looked_up or [False] * len(live)
+    drafted_now = max((len(c) for c, hit, looked in zip(rnd.candidates, rnd.hits, looked_up) if not hit and not looked),
+                      default=0)
     seconds = rnd.draft_s + rnd.verify_s + rnd.overhead_s
     job = rnd.job
     with costs.lock:
@@ -856,7 +870,9 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
         verified, confident = [], []
         stopped = bool(rnd.option.stop)  # a confidence stop chose each row's length: not a per-position sample
-        for row_tops, c, k, bonus in zip(tops, rnd.candidates, rnd.accepted, rnd.bonus):
+        for row_tops, c, k, bonus, looked in zip(tops, rnd.candidates, rnd.accepted, rnd.bonus, looked_up):
+            if looked:  # the lookup's candidates: neither the draft's acceptance nor its confidence
+                continue
             next_kept = None
             if k < len(row_tops) and row_tops[k] is not None:  # where the bonus ranked among the draft's tops
                 rank = bonus_rank(row_tops[k], c[k] if k < len(c) else None, bonus)

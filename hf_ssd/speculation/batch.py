@@ -105,7 +105,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     picks, branches, feeds = [], [], []
     for r, (row, c) in enumerate(zip(rows, candidates)):
         pk = None
-        if calibration is not None:
+        if calibration is not None and len(row.tops) >= len(c):
             pk = hedged_length_probs(calibration, drafted_probs(c, row.tops[: len(c)]), priors[r])
         outcomes, late = _outcomes(row, c, budget, alpha, pk, fanout)
         for o in outcomes:
@@ -172,6 +172,8 @@ def _outcomes(row, c: list[int], budget: int, alpha: float, pk: list[float] | No
     entries), else the geometric split of `budget`."""
     g = len(c)
     known = g < len(row.tops) and row.tops[g] is not None
+    if len(row.tops) < g:  # candidates the draft never read (the n-gram fallback's): only k = g can be ranked
+        return [], budget if fixed is None else sum(fixed[: g + 1])
     if pk is None:
         fanout = fixed[: g + 1] + [0] * (g + 1 - len(fixed)) if fixed is not None else geometric_fanout(budget, alpha, g)
         ranked = fanout if known else fanout[:g] + [0]
