@@ -347,8 +347,8 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
 
 
 # SSDConfig fields that only single-prompt calls use (the speculation cache, deeper pipelines, the static
-# draft path, Saguaro sampling, ...), with their defaults: a batch refuses other values rather than ignore them.
-_ONE_PROMPT_ONLY = {"pipeline_depth": 1, "saguaro_c": None, "max_outcomes": None, "cache_size": 64,
+# draft path, ...), with their defaults: a batch refuses other values rather than ignore them.
+_ONE_PROMPT_ONLY = {"pipeline_depth": 1, "max_outcomes": None, "cache_size": 64,
                     "eviction": "probability", "static_draft": None, "cuda_graphs": None}
 
 

@@ -203,11 +203,12 @@ def test_families_batched(family, attn):
         assert_rows_exact(target, draft, ids, mask, name, batched_reference=attn == "sdpa")
 
 
-@pytest.mark.parametrize("name", ["sd_g2", "sd_conf", "ssd_g2_b2", "ssd_g2_ngram"])
+@pytest.mark.parametrize("name", ["sd_g2", "sd_conf", "ssd_g2_b2", "ssd_g2_ngram", "ssd_g2_saguaro"])
 def test_sampling_rows_match_target_distribution(name, monkeypatch):
     """Two prompts (different acceptance), each twice in a batch of 4: every row's samples follow the target's
     exact distribution (false-fail rate < 1e-4 per prompt, as in tests/test_sampling.py). ssd_g2_ngram: missed
-    rows propose their n-gram lookup (unigrams: the tiny vocabulary repeats), verified against a point mass."""
+    rows propose their n-gram lookup (unigrams: the tiny vocabulary repeats), verified against a point mass;
+    ssd_g2_saguaro: the draft's likeliest tokens at each position scaled by C (Saguaro sampling)."""
     target, draft = sampling_pair()
     prompts = [[2, 3], [4, 1]]
     joints = []
@@ -227,6 +228,8 @@ def test_sampling_rows_match_target_distribution(name, monkeypatch):
         "ssd_g2_b2": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="inline", **QUIET), None),
         "ssd_g2_ngram": (SSDConfig(gamma=2, fanout_budget=1, fallback="ngram", ngram_size=1, schedule="fixed",
                                    layout="inline", **QUIET), None),
+        "ssd_g2_saguaro": (SSDConfig(gamma=2, fanout_budget=2, saguaro_c=0.3, schedule="fixed", layout="inline",
+                                     **QUIET), None),
     }[name]
     looked_up, lookup = [], loop.ngram_lookup
     monkeypatch.setattr(loop, "ngram_lookup", lambda *a: looked_up.append(lookup(*a)) or looked_up[-1])
@@ -522,9 +525,59 @@ def test_a_missed_row_verifies_its_ngram_lookup(pair, monkeypatch, right):
     assert missed and all(missed)  # every miss of an SSD round with room left looked up; none drafted
 
 
+def test_saguaro_scales_each_rows_held_bonuses_in_the_q_it_draws_from():
+    """`BatchDrafter.draw`: row i's `cached[i]` likeliest tokens keep C of their mass, then q is renormalised; the
+    token is drawn from that q. Without Saguaro (or nothing held, or greedy) q is the draft's own distribution."""
+    from hf_ssd.drafting.batch import BatchDrafter
+
+    drafter = BatchDrafter.__new__(BatchDrafter)
+    drafter.do_sample, drafter.generator, drafter.saguaro_c = True, torch.Generator().manual_seed(0), 0.25
+    probs = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(1)), -1)
+    tokens, q = drafter.draw(probs, [0, 1, 3])
+    for i, held in enumerate([0, 1, 3]):
+        top = probs[i].topk(held).indices
+        want = probs[i].clone()
+        want[top] *= 0.25
+        torch.testing.assert_close(q[i], want / want.sum())
+    assert q.shape == probs.shape and tokens.shape == (3,)
+    draws = torch.stack([drafter.draw(probs, [3, 3, 3])[0] for _ in range(4000)])  # drawn from q, not probs
+    top = probs[2].topk(3).indices
+    share = torch.isin(draws[:, 2], top).float().mean()
+    want = float(q[2][top].sum())  # 3-sigma band of 4000 draws: a false fail about 3 times in 1000
+    assert abs(share - want) < 3 * (want * (1 - want) / 4000) ** 0.5, (share, want, float(probs[2][top].sum()))
+    for saguaro, held in ((None, [2, 2, 2]), (0.25, [0, 0, 0])):
+        drafter.saguaro_c = saguaro
+        assert drafter.draw(probs, held)[1] is probs
+
+
+def test_a_sampled_batch_with_saguaro_draws_from_scaled_q_where_a_job_holds_bonuses(pair, monkeypatch):
+    """The loop hands the drafter, on the critical path and in the job, the bonuses its SSD option holds per
+    position (the geometric split of its budget; a fanout list as given); SD rounds and calls without saguaro_c
+    hand none, and greedy calls draw plainly."""
+    from hf_ssd.drafting.batch import BatchDrafter
+
+    target, _, noisy = pair
+    ids, mask = padded_batch(lengths_for(4, 5), 5)
+    seen = []
+    draw = BatchDrafter.draw
+    monkeypatch.setattr(BatchDrafter, "draw", lambda self, probs, cached: seen.append(
+        (self.saguaro_c, max(cached, default=0))) or draw(self, probs, cached))
+    for kw, held in (({"saguaro_c": 0.5}, True), ({"saguaro_c": 0.5, "fanout": [0, 0, 0]}, False), ({}, False)):
+        seen.clear()
+        torch.manual_seed(0)
+        config = SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="inline", **kw, **QUIET)
+        target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=True, max_new_tokens=8,
+                        ssd_config=config)
+        assert seen and any(n > 0 for _, n in seen) == held, (kw, seen)
+    seen.clear()
+    target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=False, max_new_tokens=8,
+                    ssd_config=SSDConfig(gamma=2, fanout_budget=2, saguaro_c=0.5, schedule="fixed", **QUIET))
+    assert seen and all(s is None for s, _ in seen)
+
+
 @pytest.mark.parametrize(("kw", "phrase"), [
     ({"pipeline_depth": 2}, "pipeline_depth=2: this setting serves one prompt at a time"),
-    ({"saguaro_c": 0.5, "cache_size": 8}, "saguaro_c=0.5, cache_size=8: these settings serve one prompt"),
+    ({"max_outcomes": 4, "cache_size": 8}, "max_outcomes=4, cache_size=8: these settings serve one prompt"),
     ({"eviction": "lru"}, "eviction='lru': this setting serves one prompt"),
 ])
 def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):

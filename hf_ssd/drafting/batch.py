@@ -15,7 +15,7 @@ from .drafter import CONTEXT_FREE
 
 class BatchDrafter:
     def __init__(self, model, out_vocab: int, do_sample: bool, processors, pad: int, top_k: int = 8,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, saguaro_c: float | None = None):
         own = model.config.get_text_config().vocab_size
         self.kv = RaggedCache(model, out_vocab=min(own, out_vocab))
         self.vocab = out_vocab  # the target's: q rows are compared with the target's p
@@ -29,6 +29,7 @@ class BatchDrafter:
         self.top_k = min(top_k, out_vocab)  # a tiny vocabulary has fewer tops than the widest fan-out ranks
         self.generator = generator  # the draft's own draws (also on the speculator's thread)
         self.spare: dict = {}  # buffers of the speculation jobs' copies of the rows, reused (`RaggedCache.branch`)
+        self.saguaro_c = saguaro_c if do_sample else None  # `draw`
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] < self.vocab:
@@ -42,6 +43,24 @@ class BatchDrafter:
     def choose(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0] if self.do_sample else probs.argmax(-1)
 
+    def draw(self, probs: torch.Tensor, cached) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each row's token, the distribution q it was drawn from). With Saguaro sampling (`saguaro_c`), row i's
+        `cached[i]` likeliest tokens (the bonuses the cache will hold should the target reject there) keep C of
+        their mass before renormalising, so that a rejection's residual max(p - q, 0) falls on them. Exact: q is
+        what the token is drawn from, and verification compares p with it."""
+        if self.saguaro_c is None or max(cached, default=0) <= 0:
+            return self.choose(probs), probs
+        cached = torch.as_tensor(cached, dtype=torch.long)
+        width = min(int(cached.max()), probs.shape[-1])
+        idx = probs.topk(width, dim=-1).indices
+        on = torch.arange(width, device=probs.device)[None, :] < cached.to(probs.device)[:, None]
+        scale = torch.where(on, probs.new_tensor(self.saguaro_c), probs.new_tensor(1.0))
+        scaled = probs.scatter(1, idx, probs.gather(1, idx) * scale)
+        total = scaled.sum(-1, keepdim=True)
+        # A row whose cached tokens hold (almost) all the mass keeps the plain draft.
+        q = torch.where(total > 1e-6, scaled / total.clamp_min(1e-12), probs)
+        return self.choose(q), q
+
     def top_table(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[rows, top_k] probabilities and ids of each row's most likely tokens, on the CPU."""
         values, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
@@ -51,7 +70,8 @@ class BatchDrafter:
         values, ids = self.top_table(probs)
         return [(values[i], ids[i]) for i in range(probs.shape[0])]
 
-    def propose(self, rows, n: list[int], stop: float = 0.0) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(self, rows, n: list[int], stop: float = 0.0,
+                cached: list[int] = ()) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Up to n[i] candidates for row i; rows with n[i] = 0 take no part (their columns are masked filler).
 
         All taking part draft max(n) tokens and keep their first n[i]; per row it records the tokens fed as
@@ -63,7 +83,7 @@ class BatchDrafter:
         decision reads only the row's own draft distribution, so the verification stays exact (fallback.py,
         `draft_until_unsure`). Rows that stopped draft on while others go on (a batched step costs the rows it
         holds) and so keep the draft's distribution after their last candidate; drafting ends when every row
-        has stopped."""
+        has stopped. `cached[j]`: the bonuses the next job will hold for a rejection of candidate j (`draw`)."""
         n = list(n)
         steps = max(n)
         active = [k > 0 for k in n]
@@ -74,11 +94,11 @@ class BatchDrafter:
         tokens, dists, tops = [], [], []
         for j in range(steps):
             probs = self.probs(logits)
-            token = self.choose(probs)
+            token, q = self.draw(probs, [cached[j] if j < len(cached) else 0] * len(rows))
             tokens.append(token)
             tops.append(self.tops(probs))
             if self.do_sample:
-                dists.append(probs)
+                dists.append(q)
             if stop > 0:
                 for i, (values, _) in enumerate(tops[j]):
                     if n[i] > j + 1 and float(values[0]) < stop:

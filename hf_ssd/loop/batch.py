@@ -41,6 +41,7 @@ from ..drafting.fallback import ngram_lookup
 from ..scheduling.costs import cost_model_for, estimates_of
 from ..scheduling.schedule import AUTO_BUDGETS, WIDE_BUDGETS, Option, Scheduler, allowed_options, late_grace_s
 from ..speculation.batch import Branch, Tree, speculate
+from ..speculation.fanout import geometric_fanout
 from ..speculation.outcomes import Outcome, bonus_rank
 from ..speculation.predictor import calibration_for, drafted_probs
 from ..speculation.speculator import Speculator
@@ -434,7 +435,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         gen = torch.Generator(device=ssd_draft.device)
         gen.manual_seed(int(torch.randint(0, 2**62, (1,))))
     drafter = BatchDrafter(ssd_draft, model.config.get_text_config().vocab_size, do_sample, logits_processor, pad,
-                           top_k=plan.top_k, generator=gen)
+                           top_k=plan.top_k, generator=gen, saguaro_c=ssd_config.saguaro_c)
     process = _Processing(logits_processor, batch=len(rows))
     # fanout="calibrated" set by the caller: jobs rank each row's outcomes by P(k) from the draft's confidence,
     # learned per draft model (shared with single-prompt calls). Left unset, a batch splits per k (geometric): on
@@ -471,7 +472,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
-                _propose(drafter, live, rnd, ngram)
+                _propose(drafter, live, rnd, ngram, _held(scheduler, rnd.option, drafter))
             t1 = time.perf_counter()
             feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             # The job measures the last round, decides the next round's option, then pre-drafts it if it is SSD
@@ -651,15 +652,26 @@ def _fallback_length(scheduler: Scheduler, option: Option, config) -> int:
     return option.gamma
 
 
-def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0) -> None:
+def _held(scheduler: Scheduler, option: Option, drafter: BatchDrafter) -> list[int]:
+    """Saguaro sampling: per candidate position, the bonuses a job of this SSD option holds for a rejection there
+    (the fan-out list, else its geometric split; `BatchDrafter.draw`); none otherwise."""
+    if drafter.saguaro_c is None or option.kind != "ssd":
+        return []
+    if isinstance(scheduler.config.fanout, list):
+        return list(scheduler.config.fanout)
+    return geometric_fanout(scheduler.job_budget(option.budget), scheduler.costs.acceptance, option.gamma)
+
+
+def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0, held: list[int] = ()) -> None:
     """2. Candidates for every row: a hit's pre-drafted branch, or the draft's tokens now; with `ngram` (the
     "ngram" fallback's longest n-gram) a missed row of an SSD round looks its candidates up in its own context
-    instead (prompt lookup: no draft forward; a point-mass q when sampling, which verification keeps exact)."""
+    instead (prompt lookup: no draft forward; a point-mass q when sampling, which verification keeps exact).
+    `held`: Saguaro sampling's bonuses held per position (`_held`)."""
     lookup = ngram > 0 and rnd.option.kind == "ssd"
     rnd.looked_up = [lookup and not hit and n > 0 for hit, n in zip(rnd.hits, rnd.limits)]
     draw = [0 if hit or looked else n for hit, looked, n in zip(rnd.hits, rnd.looked_up, rnd.limits)]
     if max(draw, default=0) > 0:
-        rnd.candidates, rnd.q = drafter.propose(live, draw, stop=rnd.option.stop)
+        rnd.candidates, rnd.q = drafter.propose(live, draw, stop=rnd.option.stop, cached=held)
     else:
         rnd.candidates, rnd.q = [[] for _ in live], [None] * len(live)
     for i, (row, hit, n) in enumerate(zip(live, rnd.hits, rnd.limits)):
@@ -714,7 +726,7 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
                       deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s),
-                      fanout=fanout)
+                      fanout=fanout, cached=_held(scheduler, option, drafter))
 
     speculator.submit(job, hold=True)
 

@@ -79,7 +79,8 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
               allowed: Callable[[object, Outcome], bool], tree: Tree, should_stop: Callable[[], bool],
               deadline: float | None = None, calibration: AcceptanceCalibration | None = None,
               priors: list[list[float]] | None = None, stage: Callable[[str], None] = lambda name: None,
-              grace: Callable[[int], float] = lambda tokens: 0.0, fanout: list[int] | None = None) -> None:
+              grace: Callable[[int], float] = lambda tokens: 0.0, fanout: list[int] | None = None,
+              cached: list[int] = ()) -> None:
     """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
     `should_stop`, or until a step would end more than `grace(tokens its branches hold)` seconds after `deadline`
     (when the verification is expected to end: the caller would wait for that step; `late_grace_s` says when its
@@ -97,7 +98,8 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     (`rank_outcomes`), P(k) from the draft's confidence in each candidate, hedged with the row's measured law
     (`priors`, P(k) per row from the per-position acceptance); otherwise per k by the geometric split at
     `alpha`, or by the caller's `fanout` list (bonuses per k, `SSDConfig.fanout`). Either way the share of
-    k = g outcomes whose bonus the draft has not ranked yet goes to late branches. `stage`: called at each stage ("predict", then per step "draft" and "insert"; tests plant faults)."""
+    k = g outcomes whose bonus the draft has not ranked yet goes to late branches. `cached[t]`: the bonuses a
+    later job will hold for a rejection of a branch's token t (Saguaro sampling, `BatchDrafter.draw`). `stage`: called at each stage ("predict", then per step "draft" and "insert"; tests plant faults)."""
     stage("predict")
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
         return
@@ -146,7 +148,11 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         tag = (j - late).clamp(min=0)[:, None] if j else 0
         stage("draft")
         probs = drafter.probs(kv.forward(ids, valid, pos, keep_last=1, tag=tag)[:, -1])
-        chosen, top = drafter.choose(probs), drafter.top_table(probs)
+        held = ()
+        if cached:  # Saguaro: per copy, the bonuses a later job holds for a rejection of the token it draws now
+            held = [cached[t] if 0 <= t < len(cached) else 0 for t in (j - late).tolist()]
+        chosen, drawn = drafter.draw(probs, held)
+        top = drafter.top_table(probs)
         if j == 0 and late_at:  # the bonus of a late branch: its rank among the draft's tops
             chosen = chosen.clone()
             for i in late_at:
@@ -159,7 +165,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         tree.chosen.append(chosen.tolist())
         tree.tops.append(top)
         if drafter.do_sample:
-            tree.probs.append(probs)
+            tree.probs.append(drawn)
         step_s = time.perf_counter() - t
         tree.steps.append((len(branches), step_s))
         ids, pos, nxt = chosen[:, None], nxt, nxt + 1
