@@ -348,7 +348,7 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
 
 # SSDConfig fields that only single-prompt calls use (the speculation cache, deeper pipelines, the static
 # draft path, ...), with their defaults: a batch refuses other values rather than ignore them.
-_ONE_PROMPT_ONLY = {"pipeline_depth": 1, "max_outcomes": None, "cache_size": 64,
+_ONE_PROMPT_ONLY = {"pipeline_depth": 1, "cache_size": 64,
                     "eviction": "probability", "static_draft": None, "cuda_graphs": None}
 
 

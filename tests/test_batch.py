@@ -53,6 +53,9 @@ CONFIGS = {
                                       layout="inline", **QUIET), None),
     # The user's bonuses per k (k = 0..3), the scheduler choosing among the SSD options it leaves.
     "ssd_g3_list": (SSDConfig(gamma=3, fanout=[2, 1, 0, 1], layout="inline", **QUIET), None),
+    # Each row's 3 likeliest outcomes of the 8 its geometric split names (outcome truncation).
+    "ssd_g3_b8_max3": (SSDConfig(gamma=3, fanout_budget=8, max_outcomes=3, schedule="fixed", layout="inline",
+                                 **QUIET), None),
     # A miss looks its candidates up in the row's own context (prompt lookup) instead of drafting them.
     "ssd_g3_ngram": (SSDConfig(gamma=3, fanout_budget=2, fallback="ngram", ngram_size=2, schedule="fixed",
                                layout="inline", **QUIET), None),
@@ -577,8 +580,8 @@ def test_a_sampled_batch_with_saguaro_draws_from_scaled_q_where_a_job_holds_bonu
 
 @pytest.mark.parametrize(("kw", "phrase"), [
     ({"pipeline_depth": 2}, "pipeline_depth=2: this setting serves one prompt at a time"),
-    ({"max_outcomes": 4, "cache_size": 8}, "max_outcomes=4, cache_size=8: these settings serve one prompt"),
-    ({"eviction": "lru"}, "eviction='lru': this setting serves one prompt"),
+    ({"cache_size": 8, "eviction": "lru"}, "cache_size=8, eviction='lru': these settings serve one prompt"),
+    ({"cuda_graphs": False}, "cuda_graphs=False: this setting serves one prompt"),
 ])
 def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):
     target, close, _ = pair
@@ -1240,6 +1243,40 @@ def test_a_calibrated_job_spends_a_rows_branches_where_its_draft_is_unsure():
     unranked, late = _outcomes(SimpleNamespace(tops=tops[:2]), c, 3, 0.6, pk)  # nothing read after candidate 2
     assert all(o.accepted < 2 for o in unranked) and late == 3 - len(unranked)
     assert _outcomes(SimpleNamespace(tops=[]), [], 4, 0.6, [1.0]) == ([], 4)  # no candidates: all late
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_max_outcomes_keeps_each_rows_likeliest_outcomes_late_ones_included(known):
+    """`max_outcomes` in a batch: a row's job keeps the likeliest that many of the outcomes its fan-out names,
+    by P(k) P(bonus | k); where the draft has not read past the last candidate, the k = g share competes with
+    the probabilities of the position before it (the late branches that share becomes). Unset, all of them."""
+    from types import SimpleNamespace
+
+    from hf_ssd.speculation.batch import _outcomes
+    from hf_ssd.speculation.fanout import geometric_fanout
+    from hf_ssd.speculation.outcomes import bonus_probs, length_probs
+
+    def top(pairs):
+        return torch.tensor([p for p, _ in pairs]), torch.tensor([t for _, t in pairs])
+
+    c = [7, 8]
+    tops = [top([(0.5, 7), (0.3, 3), (0.2, 4)]), top([(0.6, 8), (0.3, 5), (0.1, 6)]),
+            top([(0.7, 11), (0.2, 12), (0.1, 13)])]
+    row = SimpleNamespace(tops=tops if known else tops[:2])
+    every, late_all = _outcomes(row, c, 6, 0.6, None)
+    assert len(every) + late_all == 6
+    pk = length_probs([0.6] * 2)
+    after = tops[2] if known else tops[1]  # the k = g share is sized from the position before when unread
+    fan = geometric_fanout(6, 0.6, 2)
+    scored = sorted((pk[k] * p, k) for k in range(3)
+                    for p, _ in bonus_probs(tops[k] if k < 2 else after, c[k] if k < 2 else None)[: fan[k]])[::-1]
+    for limit in (1, 3, 5):
+        kept, late = _outcomes(row, c, 6, 0.6, None, limit=limit)
+        assert len(kept) + late == limit
+        want = sorted(k for _, k in scored[:limit])
+        got = sorted([o.accepted for o in kept] + [2] * late)
+        assert got == want, (limit, got, want)
+        assert {(o.accepted, o.bonus) for o in kept} <= {(o.accepted, o.bonus) for o in every}
 
 
 @pytest.mark.parametrize("fanout", [None, "calibrated"])

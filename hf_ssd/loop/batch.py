@@ -726,7 +726,7 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
                       deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s),
-                      fanout=fanout, cached=_held(scheduler, option, drafter))
+                      fanout=fanout, cached=_held(scheduler, option, drafter), limit=scheduler.config.max_outcomes)
 
     speculator.submit(job, hold=True)
 

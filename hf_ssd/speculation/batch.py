@@ -80,7 +80,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
               deadline: float | None = None, calibration: AcceptanceCalibration | None = None,
               priors: list[list[float]] | None = None, stage: Callable[[str], None] = lambda name: None,
               grace: Callable[[int], float] = lambda tokens: 0.0, fanout: list[int] | None = None,
-              cached: list[int] = ()) -> None:
+              cached: list[int] = (), limit: int | None = None) -> None:
     """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
     `should_stop`, or until a step would end more than `grace(tokens its branches hold)` seconds after `deadline`
     (when the verification is expected to end: the caller would wait for that step; `late_grace_s` says when its
@@ -98,7 +98,8 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     (`rank_outcomes`), P(k) from the draft's confidence in each candidate, hedged with the row's measured law
     (`priors`, P(k) per row from the per-position acceptance); otherwise per k by the geometric split at
     `alpha`, or by the caller's `fanout` list (bonuses per k, `SSDConfig.fanout`). Either way the share of
-    k = g outcomes whose bonus the draft has not ranked yet goes to late branches. `cached[t]`: the bonuses a
+    k = g outcomes whose bonus the draft has not ranked yet goes to late branches; `limit` keeps a row's likeliest
+    that many (`SSDConfig.max_outcomes`). `cached[t]`: the bonuses a
     later job will hold for a rejection of a branch's token t (Saguaro sampling, `BatchDrafter.draw`). `stage`: called at each stage ("predict", then per step "draft" and "insert"; tests plant faults)."""
     stage("predict")
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
@@ -109,7 +110,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         pk = None
         if calibration is not None and len(row.tops) >= len(c):
             pk = hedged_length_probs(calibration, drafted_probs(c, row.tops[: len(c)]), priors[r])
-        outcomes, late = _outcomes(row, c, budget, alpha, pk, fanout)
+        outcomes, late = _outcomes(row, c, budget, alpha, pk, fanout, limit)
         for o in outcomes:
             if allowed(row, o):
                 picks.append(r)
@@ -172,22 +173,24 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
 
 
 def _outcomes(row, c: list[int], budget: int, alpha: float, pk: list[float] | None,
-              fixed: list[int] | None = None) -> tuple[list[Outcome], int]:
+              fixed: list[int] | None = None, limit: int | None = None) -> tuple[list[Outcome], int]:
     """A row's outcomes to pre-draft now, and how many late branches (k = g, bonus ranked by the first step) to
-    add when the draft has not read past its last candidate. `fixed`: the user's bonuses per k (its first g + 1
-    entries), else the geometric split of `budget`."""
+    add when the draft has not read past its last candidate (that share sized as if its distribution there had
+    the shape of the one before: `placeholder_top`). `fixed`: the user's bonuses per k (its first g + 1
+    entries), else the geometric split of `budget` (or the calibrated ranking, with `pk`). `limit`
+    (`SSDConfig.max_outcomes`): the likeliest this many of them, late ones included."""
     g = len(c)
-    known = g < len(row.tops) and row.tops[g] is not None
-    if len(row.tops) < g:  # candidates the draft never read (the n-gram fallback's): only k = g can be ranked
-        return [], budget if fixed is None else sum(fixed[: g + 1])
+    fanout = None
     if pk is None:
         fanout = fixed[: g + 1] + [0] * (g + 1 - len(fixed)) if fixed is not None else geometric_fanout(budget, alpha, g)
-        ranked = fanout if known else fanout[:g] + [0]
-        return predict_outcomes(c, row.tops[: g + 1], ranked, alpha, budget), 0 if known else fanout[g]
-    if not known and g == 0:
-        return [], budget  # nothing drafted: every branch is a bonus the first step ranks
+        budget = sum(fanout)
+    cap = budget if limit is None else min(budget, limit)
+    known = g < len(row.tops) and row.tops[g] is not None
+    # Nothing drafted, or candidates the draft never read (the n-gram fallback's): only k = g can be ranked.
+    if len(row.tops) < g or (not known and g == 0):
+        return [], cap
     tops = row.tops[: g + 1] if known else row.tops[:g] + [placeholder_top(row.tops[g - 1])]
-    outcomes = rank_outcomes(c, tops, pk, budget)
+    outcomes = predict_outcomes(c, tops, fanout, alpha, cap) if pk is None else rank_outcomes(c, tops, pk, cap)
     if known:
         return outcomes, 0
     return [o for o in outcomes if o.accepted < g], sum(o.accepted == g for o in outcomes)
