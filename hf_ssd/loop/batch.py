@@ -159,7 +159,8 @@ class BatchPlan:
         if isinstance(config.fanout, list):  # the user's bonuses per k: that many branches a row
             fixed_budget = sum(config.fanout)
         self.options, self.default = batch_options(config, fixed_budget, hooks)
-        self.auto_budgets = not (config.is_set("fanout_budget") or config.is_set("fanout") or config.schedule == "fixed")
+        self.auto_budgets = not (config.is_set("fanout_budget") or config.is_set("fanout")
+                                 or config.schedule == "fixed")
         self._schedulers: dict[int, Scheduler] = {}
 
     def scheduler(self, rows: int) -> Scheduler:
@@ -725,8 +726,9 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         deadline = start + verify_s if timed and verify_s is not None else None
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
-                      deadline, calibration, priors, stage, grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s),
-                      fanout=fanout, cached=_held(scheduler, option, drafter), limit=scheduler.config.max_outcomes)
+                      deadline, calibration, priors, stage,
+                      grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s), fanout=fanout,
+                      cached=_held(scheduler, option, drafter), limit=scheduler.config.max_outcomes)
 
     speculator.submit(job, hold=True)
 

@@ -98,9 +98,10 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     (`rank_outcomes`), P(k) from the draft's confidence in each candidate, hedged with the row's measured law
     (`priors`, P(k) per row from the per-position acceptance); otherwise per k by the geometric split at
     `alpha`, or by the caller's `fanout` list (bonuses per k, `SSDConfig.fanout`). Either way the share of
-    k = g outcomes whose bonus the draft has not ranked yet goes to late branches; `limit` keeps a row's likeliest
-    that many (`SSDConfig.max_outcomes`). `cached[t]`: the bonuses a
-    later job will hold for a rejection of a branch's token t (Saguaro sampling, `BatchDrafter.draw`). `stage`: called at each stage ("predict", then per step "draft" and "insert"; tests plant faults)."""
+    k = g outcomes whose bonus the draft has not ranked yet goes to late branches; `limit` keeps a row's
+    likeliest that many (`SSDConfig.max_outcomes`). `cached[t]`: the bonuses a later job will hold for a
+    rejection of a branch's token t (Saguaro sampling, `BatchDrafter.draw`). `stage`: called at each stage
+    ("predict", then per step "draft" and "insert"; tests plant faults)."""
     stage("predict")
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
         return
@@ -182,7 +183,10 @@ def _outcomes(row, c: list[int], budget: int, alpha: float, pk: list[float] | No
     g = len(c)
     fanout = None
     if pk is None:
-        fanout = fixed[: g + 1] + [0] * (g + 1 - len(fixed)) if fixed is not None else geometric_fanout(budget, alpha, g)
+        if fixed is not None:
+            fanout = fixed[: g + 1] + [0] * (g + 1 - len(fixed))
+        else:
+            fanout = geometric_fanout(budget, alpha, g)
         budget = sum(fanout)
     cap = budget if limit is None else min(budget, limit)
     known = g < len(row.tops) and row.tops[g] is not None
