@@ -56,6 +56,9 @@ CONFIGS = {
     # Each row's 3 likeliest outcomes of the 8 its geometric split names (outcome truncation).
     "ssd_g3_b8_max3": (SSDConfig(gamma=3, fanout_budget=8, max_outcomes=3, schedule="fixed", layout="inline",
                                  **QUIET), None),
+    # The fan-out list and outcome truncation together, with the job racing the verify.
+    "ssd_g3_list_max3_thread": (SSDConfig(gamma=3, fanout=[2, 1, 1, 1], max_outcomes=3, schedule="fixed",
+                                          layout="thread", **QUIET), None),
     # A miss looks its candidates up in the row's own context (prompt lookup) instead of drafting them.
     "ssd_g3_ngram": (SSDConfig(gamma=3, fanout_budget=2, fallback="ngram", ngram_size=2, schedule="fixed",
                                layout="inline", **QUIET), None),
