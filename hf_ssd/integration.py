@@ -348,8 +348,7 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
 
 # SSDConfig fields that only single-prompt calls use (the speculation cache, deeper pipelines, the static
 # draft path, ...), with their defaults: a batch refuses other values rather than ignore them.
-_ONE_PROMPT_ONLY = {"pipeline_depth": 1, "cache_size": 64,
-                    "eviction": "probability", "static_draft": None, "cuda_graphs": None}
+_ONE_PROMPT_ONLY = {"pipeline_depth": 1, "eviction": "probability", "static_draft": None, "cuda_graphs": None}
 
 
 def _one_prompt_config(config: SSDConfig) -> list[str]:
@@ -370,8 +369,8 @@ def _check_batch_config(config: SSDConfig, rows: int) -> None:
         raise SSDUsageError(
             f"{', '.join(odd)}: {'this setting serves' if len(odd) == 1 else 'these settings serve'} one prompt at "
             f"a time, and this call has a batch of {rows}. Leave {'it' if len(odd) == 1 else 'them'} at the default "
-            "for batches (gamma, fanout_budget or a fanout list, fallback, layout and schedule apply), or generate "
-            "the prompts one at a time."
+            "for batches (gamma, the fan-out, max_outcomes, cache_size, fallback, saguaro_c, layout and schedule "
+            "apply), or generate the prompts one at a time."
         )
 
 

@@ -583,7 +583,7 @@ def test_a_sampled_batch_with_saguaro_draws_from_scaled_q_where_a_job_holds_bonu
 
 @pytest.mark.parametrize(("kw", "phrase"), [
     ({"pipeline_depth": 2}, "pipeline_depth=2: this setting serves one prompt at a time"),
-    ({"cache_size": 8, "eviction": "lru"}, "cache_size=8, eviction='lru': these settings serve one prompt"),
+    ({"pipeline_depth": 2, "eviction": "lru"}, "pipeline_depth=2, eviction='lru': these settings serve one prompt"),
     ({"cuda_graphs": False}, "cuda_graphs=False: this setting serves one prompt"),
 ])
 def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):
@@ -1378,12 +1378,14 @@ def test_a_batch_divides_the_job_branches_among_its_rows():
     assert budgets(SSDConfig(), 16) == {1, 2, 4, 8}
     assert max(budgets(SSDConfig(), 16)) * 16 <= loop.BATCH_BRANCHES
     assert budgets(SSDConfig(fanout_budget=16), 16) == {16}
+    assert budgets(SSDConfig(cache_size=8), 1) == {1, 2, 4, 8}  # a row's speculation holds cache_size entries
 
 
 def test_a_shrinking_batchs_job_shares_the_batchs_branches_among_its_live_rows(pair, monkeypatch):
     """Once rows have ended, the job gives the live rows the branches the whole batch had (budget x rows at the
     call's start, divided by the live rows): the last rows decide when the call ends. The scheduler's model
-    predicts their hits with those branches. An explicit fanout_budget stays as set. Exact either way."""
+    predicts their hits with those branches. An explicit fanout_budget stays as set; `cache_size` caps a row's
+    share. Exact either way."""
     target, _, noisy = pair
     ids, mask = padded_batch(lengths_for(4, 11), 11)
     seen = []
@@ -1401,15 +1403,19 @@ def test_a_shrinking_batchs_job_shares_the_batchs_branches_among_its_live_rows(p
     want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
     hooks = {"plain": False, "options": lambda options: [o for o in options if o.name == "ssd(b=2,g=3)"]}
     for config, share in ((SSDConfig(layout="inline", **QUIET), True),
-                          (SSDConfig(gamma=3, fanout_budget=2, layout="inline", **QUIET), False)):
+                          (SSDConfig(gamma=3, fanout_budget=2, layout="inline", **QUIET), False),
+                          (SSDConfig(cache_size=3, layout="inline", **QUIET), "capped")):
         seen.clear()
         out = target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=False, max_new_tokens=NEW,
                               ssd_config=config, _ssd_hooks=hooks)
         assert torch.equal(out, want)
         assert {live for live, _ in seen} > {4}, seen  # rows ended at different rounds
-        assert all(budget == (2 * 4 // live if share else 2) for live, budget in seen), seen
+        room = 3 if share == "capped" else 8  # cache_size=3: a row's job holds at most 3 branches
+        jobs = {live: min(2 * 4 // live, room) if share else 2 for live, _ in seen}
+        assert share != "capped" or any(2 * 4 // live > room for live in jobs), seen  # the cap bound
+        assert all(budget == jobs[live] for live, budget in seen), seen
         # The model predicts the live rows' hits with the branches their job will have.
-        assert set(modelled) == ({2 * 4 // live for live, _ in seen if live < 4} | {2} if share else {2}), modelled
+        assert set(modelled) == ({jobs[live] for live, _ in seen if live < 4} | {2} if share else {2}), modelled
         modelled.clear()
 
 

@@ -469,7 +469,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         while live:
             scheduler = plan.scheduler_for(len(live), len(rows))
             own = plan.scheduler(len(live))  # the round's costs go to its own size's estimates
-            scheduler.job_budget = own.job_budget = functools.partial(_job_budget, share=share, live=len(live))
+            scheduler.job_budget = own.job_budget = functools.partial(_job_budget, share=share, live=len(live),
+                                                                      room=ssd_config.cache_size)
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
@@ -733,14 +734,14 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
     speculator.submit(job, hold=True)
 
 
-def _job_budget(budget: int, share: int, live: int) -> int:
+def _job_budget(budget: int, share: int, live: int, room: int) -> int:
     """Branches per row of a job of this budget: the budget, or, once rows have left a call that began with
     `share` rows (0: the budget is the user's, kept as set), that call's branches shared among the live rows
     (within BATCH_BRANCHES). A step over them costs about what the full batch's did, and a batch's last rows,
-    whose rounds decide when the call ends, then miss less. The scheduler predicts hits with it too."""
-    if live >= share:
-        return budget
-    return max(budget, min(BATCH_BRANCHES, budget * share) // live)
+    whose rounds decide when the call ends, then miss less. The scheduler predicts hits with it too. Never more
+    than `room` (`SSDConfig.cache_size`: the entries a row's speculation may hold, as for one prompt)."""
+    shared = budget if live >= share else max(budget, min(BATCH_BRANCHES, budget * share) // live)
+    return min(shared, room)
 
 
 def _verify_feed(target: RaggedCache, rows: list[Row], candidates: list[list[int]], pad: int):
