@@ -51,7 +51,7 @@ CONFIGS = {
     "ssd_g2_b2_thread": (SSDConfig(gamma=2, fanout_budget=2, schedule="fixed", layout="thread", **QUIET), None),
     "ssd_g3_b4_geometric": (SSDConfig(gamma=3, fanout_budget=4, fanout="geometric", schedule="fixed",
                                       layout="inline", **QUIET), None),
-    # The user's bonuses per k (k = 0..3), the scheduler choosing among the SSD options it leaves.
+    # The user's bonuses per k (k = 0..3); with schedule="auto" a fan-out list leaves SSD at that gamma only.
     "ssd_g3_list": (SSDConfig(gamma=3, fanout=[2, 1, 0, 1], layout="inline", **QUIET), None),
     # Each row's 3 likeliest outcomes of the 8 its geometric split names (outcome truncation).
     "ssd_g3_b8_max3": (SSDConfig(gamma=3, fanout_budget=8, max_outcomes=3, schedule="fixed", layout="inline",
