@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..loop.ragged import RaggedCache
-from .drafter import CONTEXT_FREE
+from .drafter import CONTEXT_FREE, saguaro_q
 
 
 class BatchDrafter:
@@ -44,21 +44,11 @@ class BatchDrafter:
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0] if self.do_sample else probs.argmax(-1)
 
     def draw(self, probs: torch.Tensor, cached) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each row's token, the distribution q it was drawn from). With Saguaro sampling (`saguaro_c`), row i's
-        `cached[i]` likeliest tokens (the bonuses the cache will hold should the target reject there) keep C of
-        their mass before renormalising, so that a rejection's residual max(p - q, 0) falls on them. Exact: q is
-        what the token is drawn from, and verification compares p with it."""
+        """(each row's token, the distribution q it was drawn from): with Saguaro sampling (`saguaro_c`), q scales
+        row i's `cached[i]` likeliest tokens, the bonuses a job will hold there (`saguaro_q`)."""
         if self.saguaro_c is None or max(cached, default=0) <= 0:
             return self.choose(probs), probs
-        cached = torch.as_tensor(cached, dtype=torch.long)
-        width = min(int(cached.max()), probs.shape[-1])
-        idx = probs.topk(width, dim=-1).indices
-        on = torch.arange(width, device=probs.device)[None, :] < cached.to(probs.device)[:, None]
-        scale = torch.where(on, probs.new_tensor(self.saguaro_c), probs.new_tensor(1.0))
-        scaled = probs.scatter(1, idx, probs.gather(1, idx) * scale)
-        total = scaled.sum(-1, keepdim=True)
-        # A row whose cached tokens hold (almost) all the mass keeps the plain draft.
-        q = torch.where(total > 1e-6, scaled / total.clamp_min(1e-12), probs)
+        q = saguaro_q(probs, cached, self.saguaro_c)
         return self.choose(q), q
 
     def top_table(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +84,7 @@ class BatchDrafter:
         tokens, dists, tops = [], [], []
         for j in range(steps):
             probs = self.probs(logits)
-            token, q = self.draw(probs, [cached[j] if j < len(cached) else 0] * len(rows))
+            token, q = self.draw(probs, [cached[j]] * len(rows) if j < len(cached) else ())
             tokens.append(token)
             tops.append(self.tops(probs))
             if self.do_sample:

@@ -102,6 +102,24 @@ def _child_prefixes(children: list[tuple[BranchState, list[int], Outcome]]):
     return prefix, tops
 
 
+def saguaro_q(probs: torch.Tensor, cached, c: float) -> torch.Tensor:
+    """Saguaro sampling's draft distribution over rows [R, V]: each row's `cached` likeliest tokens (an int for
+    every row, or a list of one count per row), the bonuses the cache will hold should the target reject there,
+    keep c of their mass, then the row is renormalised, so that a rejection's residual max(p - q, 0) falls on
+    them. Exact because q is what the token is drawn from. A row whose cached tokens hold (almost) all the mass
+    keeps the plain draft. The counts stay on the host: no device sync."""
+    if isinstance(cached, int):
+        width, factor = min(cached, probs.shape[-1]), c
+    else:
+        counts = torch.as_tensor(cached, dtype=torch.long)
+        width = min(int(counts.max()), probs.shape[-1])
+        factor = torch.where(torch.arange(width)[None, :] < counts[:, None], c, 1.0).to(probs.device, probs.dtype)
+    idx = probs.topk(width, dim=-1).indices
+    scaled = probs.scatter(1, idx, probs.gather(1, idx) * factor)
+    total = scaled.sum(-1, keepdim=True)
+    return torch.where(total > 1e-6, scaled / total, probs)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix: how much of the trunk a new context can keep."""
     n = 0
@@ -204,11 +222,7 @@ class Drafter:
         if self.saguaro_c is not None and n_cached > 0:
             # Saguaro: shrink the draft mass of the tokens the cache will hold for a rejection here, so the
             # residual max(p - q, 0) of a rejection falls on them. Exact because q is what we sample from.
-            scaled = probs.clone()
-            scaled[probs.topk(min(n_cached, probs.numel())).indices] *= self.saguaro_c
-            total = scaled.sum()
-            if total > 1e-6:  # when the cached tokens hold (almost) all the mass, keep the plain draft
-                q = scaled / total
+            q = saguaro_q(probs[None], n_cached, self.saguaro_c)[0]
         token = int(torch.multinomial(q, 1, generator=self.generator))
         logq = q.log()
         if logq.numel() < self.out_vocab:

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ..speculation.outcomes import Outcome
-from .drafter import BranchState, Drafter, DraftResult
+from .drafter import BranchState, Drafter, DraftResult, saguaro_q
 from .graphs import GraphCaptureError, StepRunner, host_list, to_device, to_host
 from .kvcache import forward_params
 
@@ -320,11 +320,7 @@ class StaticDrafter(Drafter):
             return probs.argmax(-1), None
         q = probs
         if self.saguaro_c is not None and n_cached > 0:
-            idx = probs.topk(min(n_cached, probs.shape[-1]), dim=-1).indices
-            scaled = probs.clone()
-            scaled.scatter_(1, idx, probs.gather(1, idx) * self.saguaro_c)
-            total = scaled.sum(-1, keepdim=True)
-            q = torch.where(total > 1e-6, scaled / total, probs)  # the same rule as Drafter, without a sync
+            q = saguaro_q(probs, n_cached, self.saguaro_c)  # the same rule as Drafter, without a sync
         race = torch.empty_like(q).exponential_(generator=self.generator).clamp_(min=1e-30)
         token = (q / race).argmax(-1)
         logq = q.log()

@@ -32,7 +32,7 @@ from ..scheduling.costs import CostModel
 from ..scheduling.schedule import LATE_GRACE, Option, Scheduler, allowed_options
 from ..speculation.cache import Branch, SpeculationCache
 from ..speculation.depth import Parent, deeper_children, grown_children
-from ..speculation.fanout import geometric_fanout
+from ..speculation.fanout import fanout_split
 from ..speculation.outcomes import (
     Outcome,
     bonus_probs,
@@ -150,9 +150,7 @@ class SSDCandidateGenerator(CandidateGenerator):
     # ----- fan-out ---------------------------------------------------------------------------------------
     def _fanout(self, budget: int, g: int, alpha: float) -> list[int]:
         # Per-k counts: also what Saguaro sampling reads for "calibrated" (the tokens likely to be cached per k).
-        if isinstance(self.config.fanout, list):
-            return self.config.fanout[: g + 1] + [0] * max(0, g + 1 - len(self.config.fanout))
-        return geometric_fanout(budget, alpha, g)
+        return fanout_split(self.config.fanout, budget, alpha, g)
 
     def _outcome_limit(self, budget: int) -> int:
         limit = self.config.max_outcomes

@@ -41,7 +41,7 @@ from ..drafting.fallback import ngram_lookup
 from ..scheduling.costs import cost_model_for, estimates_of
 from ..scheduling.schedule import AUTO_BUDGETS, WIDE_BUDGETS, Option, Scheduler, allowed_options, late_grace_s
 from ..speculation.batch import Branch, Tree, speculate
-from ..speculation.fanout import geometric_fanout
+from ..speculation.fanout import fanout_split
 from ..speculation.outcomes import Outcome, bonus_rank
 from ..speculation.predictor import calibration_for, drafted_probs
 from ..speculation.speculator import Speculator
@@ -659,9 +659,8 @@ def _held(scheduler: Scheduler, option: Option, drafter: BatchDrafter) -> list[i
     (the fan-out list, else its geometric split; `BatchDrafter.draw`); none otherwise."""
     if drafter.saguaro_c is None or option.kind != "ssd":
         return []
-    if isinstance(scheduler.config.fanout, list):
-        return list(scheduler.config.fanout)
-    return geometric_fanout(scheduler.job_budget(option.budget), scheduler.costs.acceptance, option.gamma)
+    return fanout_split(scheduler.config.fanout, scheduler.job_budget(option.budget), scheduler.costs.acceptance,
+                        option.gamma)
 
 
 def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0, held: list[int] = ()) -> None:
@@ -866,9 +865,8 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
     differ), under which the model's prediction for the round is made."""
     costs = scheduler.costs
     n = max(len(c) for c in rnd.candidates)
-    looked_up = rnd.looked_up or [False] * len(live)
-    drafted_now = max((len(c) for c, hit, looked in zip(rnd.candidates, rnd.hits, looked_up) if not hit and not looked),
-                      default=0)
+    drafted_now = max((len(c) for c, hit, looked in zip(rnd.candidates, rnd.hits, rnd.looked_up)
+                       if not hit and not looked), default=0)
     seconds = rnd.draft_s + rnd.verify_s + rnd.overhead_s
     job = rnd.job
     with costs.lock:
@@ -885,7 +883,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
         verified, confident = [], []
         stopped = bool(rnd.option.stop)  # a confidence stop chose each row's length: not a per-position sample
-        for row_tops, c, k, bonus, looked in zip(tops, rnd.candidates, rnd.accepted, rnd.bonus, looked_up):
+        for row_tops, c, k, bonus, looked in zip(tops, rnd.candidates, rnd.accepted, rnd.bonus, rnd.looked_up):
             if looked:  # the lookup's candidates: neither the draft's acceptance nor its confidence
                 continue
             next_kept = None

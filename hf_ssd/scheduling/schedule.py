@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..speculation.fanout import geometric_fanout
+from ..speculation.fanout import fanout_split
 from .costs import CostModel
 
 AUTO_BUDGETS = (1, 2, 4, 8, 16)
@@ -302,10 +302,7 @@ class Scheduler:
         `calibrated=False`: the model's own prediction, the one the calibration compares hits with.
         """
         def raw():
-            if isinstance(self.config.fanout, list):
-                fanout = self.config.fanout[: gamma + 1]
-            else:
-                fanout = geometric_fanout(budget, alpha, gamma)
+            fanout = fanout_split(self.config.fanout, budget, alpha, gamma)
             # P(k) from the measured per-position acceptance; the fan-out split is the job's (i.i.d. in alpha).
             return min(1.0, sum(pk * self.costs.coverage(f) for pk, f in zip(self.costs.length_probs(gamma), fanout)))
 

@@ -17,7 +17,7 @@ import torch
 
 from ..drafting.batch import BatchDrafter
 from ..loop.ragged import RaggedCache
-from .fanout import geometric_fanout
+from .fanout import fanout_split
 from .outcomes import Outcome, placeholder_top, predict_outcomes, rank_outcomes
 from .predictor import AcceptanceCalibration, drafted_probs, hedged_length_probs
 
@@ -183,10 +183,7 @@ def _outcomes(row, c: list[int], budget: int, alpha: float, pk: list[float] | No
     g = len(c)
     fanout = None
     if pk is None:
-        if fixed is not None:
-            fanout = fixed[: g + 1] + [0] * (g + 1 - len(fixed))
-        else:
-            fanout = geometric_fanout(budget, alpha, g)
+        fanout = fanout_split(fixed, budget, alpha, g)
         budget = sum(fanout)
     cap = budget if limit is None else min(budget, limit)
     known = g < len(row.tops) and row.tops[g] is not None

@@ -29,3 +29,11 @@ def geometric_fanout(budget: int, alpha: float, gamma: int) -> list[int]:
     for k in by_remainder[:left]:
         counts[k] += 1
     return counts
+
+
+def fanout_split(fanout, budget: int, alpha: float, gamma: int) -> list[int]:
+    """Bonuses to pre-draft per k = 0..gamma: an explicit `SSDConfig.fanout` list (its first gamma + 1 entries,
+    zeros past its end), else the geometric split of `budget` at `alpha`."""
+    if isinstance(fanout, list):
+        return fanout[: gamma + 1] + [0] * max(0, gamma + 1 - len(fanout))
+    return geometric_fanout(budget, alpha, gamma)
