@@ -16,6 +16,9 @@ Ratios are within this one run. Every greedy output is compared with the target 
 
     flock /tmp/realpair.lock python scripts/first_call_bench.py                  # 3 prompts x 48 tokens
     python scripts/first_call_bench.py --tiny --prompts 2 --max-new-tokens 8     # smoke check
+
+--batch-loop: the SSD calls run hf_ssd's own loop (loop/batch.py), which batches run, instead of the one-prompt
+path.
 """
 
 from __future__ import annotations
@@ -62,11 +65,14 @@ def stdlib_prompts(n: int) -> list[str]:
     return out
 
 
+HOOKS: dict = {}  # --batch-loop: the SSD calls' `_ssd_hooks`
+
+
 def call(method, target, draft, ids, new):
     kw = {"max_new_tokens": new, "do_sample": False, "attention_mask": torch.ones_like(ids)}
     settings = contextlib.nullcontext()
     if method == "ssd":
-        kw.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0))
+        kw.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0), _ssd_hooks=dict(HOOKS))
     elif BASELINES[method] is not None:
         kw["assistant_model"] = draft
         settings = assistant_settings(draft, **BASELINES[method])
@@ -90,7 +96,11 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--probe-tokens", type=int, default=24, help="new tokens of the baselines' thread probe")
+    p.add_argument("--batch-loop", action="store_true",
+                   help="SSD calls run hf_ssd's own loop (the `loop` hook) instead of the one-prompt path")
     args = p.parse_args(argv)
+    if args.batch_loop:
+        HOOKS["loop"] = "batch"
     if args.tiny:
         from hf_ssd.models.tiny import tiny_pair
 

@@ -350,6 +350,8 @@ def test_scores_and_logits_are_the_targets_batched_ones(pair, monkeypatch, b, na
     generate; a row that ended at EOS before the longest one gets scores certain of the pad token after its end.
     "plain": the plain batched decoding hand-off (plain.py)."""
     target, close, noisy = pair
+    if name == "plain" and b == 1:
+        pytest.skip("one prompt never hands off to plain decoding: its warm-up and trial keep it AR in the loop")
     if name == "plain":
         monkeypatch.setattr(loop.BatchPlan, "plain", lambda self, rows, new_tokens: True)
     config, hooks = CONFIGS["auto" if name == "plain" else name]
@@ -409,15 +411,13 @@ class _Recording:
         self.ended += 1
 
 
-@pytest.mark.parametrize("name", ["sd_g3", "ssd_g4_b4", "plain"])
-def test_one_prompt_through_the_batch_loop_streams_exactly_the_returned_tokens(pair, monkeypatch, name):
+@pytest.mark.parametrize("name", ["sd_g3", "ssd_g4_b4", "auto"])
+def test_one_prompt_through_the_batch_loop_streams_exactly_the_returned_tokens(pair, name):
     """A streamer on the batch loop (one row): the prompt, then each round's new tokens (within a round too, up
-    to where EOS ends the row), then one end(); through the plain decoding hand-off too."""
+    to where EOS ends the row), then one end(). (One prompt never hands off to plain decoding.)"""
     target, close, noisy = pair
-    if name == "plain":
-        monkeypatch.setattr(loop.BatchPlan, "plain", lambda self, rows, new_tokens: True)
-    config, hooks = CONFIGS["auto" if name == "plain" else name]
-    hooks = {**(hooks or {}), "loop": "batch", **({"plain": True} if name == "plain" else {})}
+    config, hooks = CONFIGS[name]
+    hooks = {**(hooks or {}), "loop": "batch"}
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
     eos = int(target.generate(prompt, do_sample=False, max_new_tokens=11)[0, -1])
     for draft in (close, noisy):
@@ -428,8 +428,7 @@ def test_one_prompt_through_the_batch_loop_streams_exactly_the_returned_tokens(p
         assert streamer.puts[0] == prompt[0].tolist()
         assert [t for chunk in streamer.puts for t in chunk] == out[0].tolist()
         assert streamer.ended == 1
-        if name != "plain":  # rounds of several tokens streamed as one chunk
-            assert len(streamer.puts) - 1 == hf_ssd.last_stats(target).rounds
+        assert len(streamer.puts) - 1 == hf_ssd.last_stats(target).rounds  # a round's tokens as one chunk
 
 
 @pytest.mark.parametrize("b", [1, 3])
@@ -716,7 +715,8 @@ def test_plain_batched_decoding_where_drafting_cannot_pay(compute_bound_pair, mo
     paths = [run(target, draft, 4, seed).draft_path for seed in range(2, 5)]
     assert paths == ["plain batched", "plain batched", "batched"], paths  # the model's verdict, then a refresh
     assert costs.loop_speedup.count == 1 and costs.loop_speedup.value < 1.0 and costs.loop_pending == (0, 0, 0)
-    assert costs.draft_prefill.count == 2 and costs.plain_step.count == 3 * (NEW - 1)  # each plain call measures
+    # each loop call's draft prefill (and its catch-ups after AR rounds); each plain call's steps
+    assert costs.draft_prefill.count >= 2 and costs.plain_step.count == 3 * (NEW - 1)
     paths = [run(target, draft, 4, seed).draft_path for seed in range(5, 8)]
     assert paths == ["plain batched", "plain batched", "batched"], paths
     bigger = run(target, draft, 8, 6)  # a new size: plain first

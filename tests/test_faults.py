@@ -340,9 +340,9 @@ def test_a_fault_in_the_jobs_decision_surfaces_in_the_caller(target, close_draft
     fault = FaultAtCall(InjectedFault, at=3)
     real = loop._decide
 
-    def deciding(scheduler):
+    def deciding(*args):
         fault()
-        return real(scheduler)
+        return real(*args)
 
     monkeypatch.setattr(loop, "_decide", deciding)
     with pytest.raises(InjectedFault) as info:

@@ -516,30 +516,39 @@ def test_a_lagging_draft_is_caught_up_only_when_the_call_repays_it():
     assert scheduler.decide(CATCH_UP_TOKENS, 400, 4)[0].kind == "sd"
 
 
-def test_a_short_first_call_runs_the_target_alone_and_a_larger_budget_learns(target, draft):
+# The two paths one prompt can take (`_ssd_hooks["loop"]`): transformers' assisted loop with hf_ssd's candidate
+# generator, and hf_ssd's own loop (loop/batch.py), whose first round is the target's prompt prefill alone.
+PATHS = {"assisted": {"loop": "assisted"}, "loop": {"loop": "batch"}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_short_first_call_runs_the_target_alone_and_a_larger_budget_learns(target, draft, path):
     """Through generate: the default warm-up budget keeps a short first call on a new pair to the target alone
-    (the same tokens, the stats say why); with a budget the call can afford, AR rounds measure the prefill and a
-    step, then the learning rounds run; the next call starts past the warm-up."""
+    (the same tokens, the stats say why; the draft reads nothing); with a budget the call can afford, AR rounds
+    measure the prefill and a step, then the learning rounds run; the next call starts past the warm-up."""
+    hooks = PATHS[path]
     prompt = torch.tensor([[3, 4, 5, 6]])
     ref = target.generate(prompt, max_new_tokens=64, do_sample=False)
     reset_estimates(target)
     out = target.generate(prompt, max_new_tokens=64, do_sample=False, assistant_model=draft,
-                          ssd_config=SSDConfig(warmup_budget=0.001, **QUIET))
+                          ssd_config=SSDConfig(warmup_budget=0.001, **QUIET), _ssd_hooks=hooks)
     stats = hf_ssd.last_stats(target)
     assert torch.equal(out, ref)
-    assert set(stats.options) == {"ar"} and stats.warming_up and stats.warmup_rounds >= stats.rounds
+    assert set(stats.options) - {"prefill"} == {"ar"} and stats.warming_up and stats.warmup_rounds >= stats.rounds
     assert "warm-up" in stats.summary()
+    if path == "loop":
+        assert stats.draft_forwards == 0  # the draft reads its prompt only when it first drafts
     reset_estimates(target)
     out = target.generate(prompt, max_new_tokens=64, do_sample=False, assistant_model=draft,
-                          ssd_config=SSDConfig(warmup_budget=1.0, record_timeline=True, **QUIET))
+                          ssd_config=SSDConfig(warmup_budget=1.0, record_timeline=True, **QUIET), _ssd_hooks=hooks)
     stats = hf_ssd.last_stats(target)
     assert torch.equal(out, ref)
-    names = [e["option"] for e in stats.timeline]
+    names = ["ar" if e["option"] == "prefill" else e["option"] for e in stats.timeline]
     first = next(i for i, n in enumerate(names) if n != "ar")
     assert 2 <= first == stats.warmup_rounds and not stats.warming_up
     assert names[first:first + 2] == ["sd(g=4)", "ar"]  # the trial, then AR while it is verified
     target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=draft,
-                    ssd_config=SSDConfig(warmup_budget=0.001, **QUIET))
+                    ssd_config=SSDConfig(warmup_budget=0.001, **QUIET), _ssd_hooks=hooks)
     assert hf_ssd.last_stats(target).warmup_rounds == 0 and not hf_ssd.last_stats(target).warming_up
 
 
@@ -558,7 +567,9 @@ def test_second_call_starts_informed_and_stats_report_the_schedule(target, draft
     assert abs(sum(s for _, _, s in second.option_shares()) - 1.0) < 1e-9
 
 
-def test_a_drafting_round_after_ar_rounds_times_the_catch_up_apart_from_its_draft_steps(target, draft, monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_drafting_round_after_ar_rounds_times_the_catch_up_apart_from_its_draft_steps(target, draft, monkeypatch,
+                                                                                       path):
     """Rounds of AR, then plain SD: the first SD round reads the unread context (a catch-up, `draft_prefill`)
     before drafting, and its draft steps are measured too (timed together, such a round measured no step)."""
     reset_estimates(target)
@@ -572,7 +583,7 @@ def test_a_drafting_round_after_ar_rounds_times_the_catch_up_apart_from_its_draf
     monkeypatch.setattr(Scheduler, "decide", decide)
     prompt = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
     out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=draft,
-                          ssd_config=SSDConfig(**QUIET))
+                          ssd_config=SSDConfig(**QUIET), _ssd_hooks=PATHS[path])
     ref = target.generate(prompt, max_new_tokens=12, do_sample=False)
     assert torch.equal(out, ref)
     [(_, costs)] = estimates_of(target, draft)

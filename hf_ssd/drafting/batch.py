@@ -113,8 +113,15 @@ class BatchDrafter:
     def prefill(self, rows) -> int:
         """Feed every row's prompt but its last token (the first drafting round feeds that one, whose logits it
         needs), while the target's prefill yields the first token. Returns the tokens fed."""
-        feeds = [row.real[row.draft_fed : len(row.real) - 1] for row in rows]
-        if not feeds or not all(feeds):  # a one-token prompt: a first block must hold a token of every row
+        return self.catch_up(rows, rows)
+
+    def catch_up(self, rows, lagging) -> int:
+        """Feed the rows of `lagging` (some of `rows`) what they have not read but their last token, in one batched
+        forward; the others take no part. Returns the tokens fed (none where the draft has read nothing and some
+        row has nothing to feed: a first block must hold a token of every row, and the drafting round feeds it)."""
+        which = {id(r) for r in lagging}
+        feeds = [row.real[row.draft_fed : len(row.real) - 1] if id(row) in which else [] for row in rows]
+        if not any(feeds) or (self.kv.mask is None and not all(feeds)):
             return 0
         self.kv.forward(*self._feed(rows, feeds), keep_last=1)
         for row, feed in zip(rows, feeds):

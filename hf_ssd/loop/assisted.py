@@ -29,7 +29,7 @@ from ..drafting.fallback import run_fallback
 from ..drafting.probe import step_seconds
 from ..drafting.static import make_drafter
 from ..scheduling.costs import CostModel
-from ..scheduling.schedule import LATE_GRACE, Option, Scheduler, allowed_options
+from ..scheduling.schedule import CATCH_UP_LAG, LATE_GRACE, Option, Scheduler, allowed_options
 from ..speculation.cache import Branch, SpeculationCache
 from ..speculation.depth import Parent, deeper_children, grown_children
 from ..speculation.fanout import fanout_split
@@ -44,11 +44,6 @@ from ..speculation.outcomes import (
 from ..speculation.predictor import calibration_for, drafted_probs, hedged_length_probs
 from ..speculation.speculator import Speculator
 from ..stats import SSDStats
-
-# Context tokens a drafting round finds unread beyond which the draft reads them before it drafts, timed apart (a
-# catch-up, after AR rounds or at a prompt). One or two are the round's accepted token and bonus: every round's
-# first draft step reads those.
-CATCH_UP_LAG = 2
 
 
 class LastRow(NamedTuple):

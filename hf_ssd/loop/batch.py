@@ -38,8 +38,17 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..drafting.batch import BatchDrafter
 from ..drafting.drafter import CONTEXT_FREE
 from ..drafting.fallback import ngram_lookup
+from ..drafting.probe import step_seconds
 from ..scheduling.costs import cost_model_for, estimates_of
-from ..scheduling.schedule import AUTO_BUDGETS, WIDE_BUDGETS, Option, Scheduler, allowed_options, late_grace_s
+from ..scheduling.schedule import (
+    AUTO_BUDGETS,
+    CATCH_UP_LAG,
+    WIDE_BUDGETS,
+    Option,
+    Scheduler,
+    allowed_options,
+    late_grace_s,
+)
 from ..speculation.batch import Branch, Tree, speculate
 from ..speculation.fanout import fanout_split
 from ..speculation.outcomes import Outcome, bonus_rank
@@ -132,6 +141,7 @@ class Round:
     bonus: list[int] = field(default_factory=list)
     found: list = field(default_factory=list)  # per row: the index of its branch in the tree, or None
     overhead_s: float = 0.0  # critical-path time of the job beyond the verify (collecting, adopting)
+    catch_up_s: float = 0.0  # the draft reading what it lagged before this round drafted (`_catch_up`)
     times: tuple = ()  # perf_counter (start, candidates ready, verify start, verify end)
 
 
@@ -152,9 +162,14 @@ class BatchPlan:
     """The scheduler of each batch size in use (live rows rounded up to a power of two), over the pair's cost
     estimates at that size: a batched verify costs more per row on CPU cores than on an idle accelerator."""
 
-    def __init__(self, target, draft, config, do_sample: bool, layout: str, hooks: dict, top_k: int):
+    def __init__(self, target, draft, config, do_sample: bool, layout: str, hooks: dict, top_k: int,
+                 single: bool = False):
         self.target, self.draft, self.config, self.do_sample = target, draft, config, do_sample
         self.layout, self.top_k = layout, top_k
+        # A call of one prompt: a pair that has never drafted warms up (AR until learning whether drafting pays
+        # fits `SSDConfig.warmup_budget`, then a trial round) within the call, instead of a first call of plain
+        # decoding, which would leave one-prompt calls (the command line's one call) no faster than the target.
+        self.single = single
         fixed_budget, _ = config.resolved_budget(draft.device.type == "cuda")
         if isinstance(config.fanout, list):  # the user's bonuses per k: that many branches a row
             fixed_budget = sum(config.fanout)
@@ -174,9 +189,13 @@ class BatchPlan:
                                    self.config.draft_matmul)
             with costs.lock:
                 costs.new_call()
+                if costs.draft_step_hint is None:  # what a warm-up prices a draft step at before any is measured
+                    costs.draft_step_hint = step_seconds(self.draft)
             # A job's late branches (speculate.py) start a step after the others, as one prompt's do.
+            warmup = self.config.warmup_budget if self.single and self.config.schedule == "auto" else None
             self._schedulers[size] = Scheduler(self.config, costs, options, default,
-                                               inline=self.layout == "inline", rows=size, deferred_record=True)
+                                               inline=self.layout == "inline", rows=size, deferred_record=True,
+                                               warmup_budget=warmup)
         return self._schedulers[size]
 
     def scheduler_for(self, live: int, start: int) -> Scheduler:
@@ -422,10 +441,12 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos = set(eos.flatten().tolist()) if eos is not None else set()
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
+    single = len(rows) == 1
     plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {},
-                     top_k=max(AUTO_BUDGETS + WIDE_BUDGETS + tuple(_listed(ssd_config.fanout))) + 1)
+                     top_k=max(AUTO_BUDGETS + WIDE_BUDGETS + tuple(_listed(ssd_config.fanout))) + 1, single=single)
     ssd_stats.batch_size = len(rows)
-    if (ssd_hooks or {}).get("plain", True) and plan.plain(rows, generation_config.max_length - input_ids.shape[1]):
+    if (not single and (ssd_hooks or {}).get("plain", True)
+            and plan.plain(rows, generation_config.max_length - input_ids.shape[1])):
         return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                             streamer, model_kwargs, plan.scheduler(len(rows)).costs, ssd_stats, eos)
     target = RaggedCache(model)
@@ -459,19 +480,26 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         return o.bonus not in eos and len(row.ids) + o.accepted + 2 < max_length
 
     call_costs = plan.scheduler(len(rows)).costs  # the call's verdict on plain decoding is kept at its batch size
+    ssd_stats.profile = getattr(call_costs, "profile", None)  # the tuning profile its estimates started from
     share = len(rows) if plan.auto_budgets else 0  # rows whose job branches the live rows share (`_job_budget`)
     first, nxt, decoding = True, None, None
     measure = None  # the last round's measuring, done by the next round's job beside its verify (or at the end)
     rated = [0.0, 0.0]  # the decode rounds of the call's size: tokens a row as rates count them, seconds
     try:
-        with speculator.on_critical_path():
-            draft_prefill_s = _prefill_draft(drafter, live, call_costs)
+        # One prompt's draft reads its prompt when it first drafts (`_catch_up`): a call that stays AR (a short
+        # one on a pair that never drafted, or one whose trial lost) never pays for it.
+        draft_prefill_s = 0.0
+        if not single:
+            with speculator.on_critical_path():
+                draft_prefill_s = _prefill_draft(drafter, live, call_costs)
         while live:
             scheduler = plan.scheduler_for(len(live), len(rows))
             own = plan.scheduler(len(live))  # the round's costs go to its own size's estimates
             scheduler.job_budget = own.job_budget = functools.partial(_job_budget, share=share, live=len(live),
                                                                       room=ssd_config.cache_size)
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
+            with speculator.on_critical_path():
+                rnd.catch_up_s = _catch_up(drafter, live, rnd, own.costs, ngram)
             t0 = time.perf_counter()
             with speculator.on_critical_path():
                 _propose(drafter, live, rnd, ngram, _held(scheduler, rnd.option, drafter))
@@ -480,7 +508,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             # The job measures the last round, decides the next round's option, then pre-drafts it if it is SSD
             # (in the prefill round too: its job pre-drafts round 2 behind the prefill).
             _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {},
-                    measure)
+                    measure, max_length)
             measure = None
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, feed, speculator.start)
@@ -516,6 +544,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if measure is not None:
         measure()
     stats.intervals["speculate"] = list(speculator.busy)
+    warmed = plan.scheduler(len(rows))
+    stats.warmup_rounds, stats.warming_up = warmed.warmup_rounds, warmed.warming
     if decoding is not None:
         _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds, rated)
     stats.rows = [r.stats() for r in rows]
@@ -613,9 +643,17 @@ def _measure_call(costs, rows: list[Row], seconds: float, explored_s: float, rat
             costs.add_loop_call(steps * step, seconds, steps, VERDICT_MIN_STEPS)
 
 
-def _decide(scheduler: Scheduler) -> tuple[Option, object, bool]:
+def _decide(scheduler: Scheduler, live: list[Row], max_length: int) -> tuple[Option, object, bool]:
+    """The next round's option. One row's context (what the draft has not read, what the target holds, what the
+    call may still make) lets the scheduler warm up, catch the draft up and try drafting once a call
+    (`Scheduler.decide`); a batch's rows differ, and its scheduler decides on the estimates alone."""
+    lag = context = remaining = 0
+    if len(live) == 1:
+        row = live[0]
+        lag = max(0, len(row.real) - row.draft_fed - row.draft_feed)
+        context, remaining = len(row.real), max(0, max_length - len(row.ids))
     with scheduler.costs.lock:
-        return scheduler.decide()
+        return scheduler.decide(lag, context, remaining)
 
 
 def _schedule(scheduler: Scheduler, live: list[Row], first: bool, decided, max_length: int, config) -> Round:
@@ -623,10 +661,11 @@ def _schedule(scheduler: Scheduler, live: list[Row], first: bool, decided, max_l
     drafts now (an SSD round drafts the miss fallback's length), never past the length left."""
     if first:  # the target's prompt prefill, alone: it yields each row's first token
         option, prediction, explored = Option("ar"), None, False
+        scheduler.prefilled()
     elif decided is not None:
         option, prediction, explored = decided
     else:
-        option, prediction, explored = _decide(scheduler)
+        option, prediction, explored = _decide(scheduler, live, max_length)
     if option.kind == "ar":
         now = 0
     elif option.kind == "sd":
@@ -640,6 +679,28 @@ def _schedule(scheduler: Scheduler, live: list[Row], first: bool, decided, max_l
         hits.append(branch is not None and left > 0)
         limits.append(min(len(branch.tokens) if hits[-1] else now, option.gamma, left))
     return Round(option, prediction, explored, limits, prefill=first, hits=hits)
+
+
+def _catch_up(drafter: BatchDrafter, live: list[Row], rnd: Round, costs, ngram: int = 0) -> float:
+    """1b. Before a round drafts (or, `rnd` None, a job pre-drafts), the draft reads what its drafting rows lag
+    beyond the round's last tokens (a prompt it has not read, AR rounds), timed apart as a prefill: timed with
+    the draft's steps, it would rate the draft's step by the lag. Returns its seconds."""
+    if rnd is None:  # a job's: every row (the job drafts for all)
+        drafting = [True] * len(live)
+    elif rnd.option.kind == "ar" or (ngram and rnd.option.kind == "ssd"):  # AR, or a miss's lookup: no drafting
+        return 0.0
+    else:
+        drafting = [not hit and n > 0 for hit, n in zip(rnd.hits, rnd.limits)]
+    lagging = [r for r, d in zip(live, drafting)
+               if d and not r.draft_feed and not r.tagged and len(r.real) - r.draft_fed > CATCH_UP_LAG]
+    if not lagging:
+        return 0.0
+    t = time.perf_counter()
+    fed = drafter.catch_up(live, lagging)
+    seconds = time.perf_counter() - t
+    if fed:
+        costs.add_draft_prefill(fed, seconds)
+    return seconds
 
 
 def _fallback_length(scheduler: Scheduler, option: Option, config) -> int:
@@ -693,7 +754,8 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0,
 
 
 def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, scheduler: Scheduler,
-            allowed, inference: bool, calibration, hooks: dict, measure: Callable[[], None] | None) -> None:
+            allowed, inference: bool, calibration, hooks: dict, measure: Callable[[], None] | None,
+            max_length: int) -> None:
     """3. The job beside the verify: it measures the last round (`measure`, `_measure`), decides the next round's
     option (`rnd.next`) and, if that is SSD, pre-drafts its branches. It starts as the target's forward starts
     (`_verify`), so that neither holds up the other's Python (the interpreter lock): on the simulated device at
@@ -712,11 +774,13 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         start = time.perf_counter()
         if measure is not None:
             measure()
-        rnd.next = _decide(scheduler)
+        rnd.next = _decide(scheduler, live, max_length)
         option = rnd.next[0]
         if option.kind != "ssd":
             return
         rnd.job, rnd.tree = option, Tree()
+        with torch.inference_mode(inference):  # rows the draft lags (AR rounds, an unread prompt) read first
+            _catch_up(drafter, live, None, scheduler.costs)
         rnd.job_budget = budget = scheduler.job_budget(option.budget)  # `_job_budget`, as the model predicts it
         with scheduler.costs.lock:
             alpha = scheduler.costs.acceptance
@@ -867,10 +931,12 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
     n = max(len(c) for c in rnd.candidates)
     drafted_now = max((len(c) for c, hit, looked in zip(rnd.candidates, rnd.hits, rnd.looked_up)
                        if not hit and not looked), default=0)
-    seconds = rnd.draft_s + rnd.verify_s + rnd.overhead_s
+    seconds = rnd.draft_s + rnd.verify_s + rnd.overhead_s + rnd.catch_up_s
     job = rnd.job
     with costs.lock:
-        if not first:  # the first round's forwards include both prompts' prefill
+        if first:  # the target's prompt prefill: what a catch-up and a trial round are priced from
+            costs.add_prefill(sum(len(r.real) for r in live) - tokens, rnd.verify_s)
+        else:  # the first round's forwards include both prompts' prefill
             if drafted_now:
                 costs.add_draft(drafted_now, rnd.draft_s)
             costs.add_verify(n, rnd.verify_s, job.budget if job is not None and not scheduler.inline else None)
@@ -914,7 +980,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             for row, found, predicted in zip(live, rnd.found, rnd.job_predicted):
                 if not row.done:  # a row that ended needs no next round: neither a hit nor a miss
                     costs.add_lookup(rnd.job_budget, found is not None, predicted)
-        costs.add_round()
+        costs.add_round(seconds)
     for row, c, k in zip(live, rnd.candidates, rnd.accepted):
         row.rounds += 1
         row.proposed += len(c)

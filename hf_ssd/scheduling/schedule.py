@@ -41,6 +41,10 @@ EXPLORE_FLOOR = 0.5  # families predicted under this share of the best rate are 
 # family to be explored or a round's draft time to be measured: catching up is a prefill (the real pair on CPU:
 # ~1.5 s for a 450-token prompt, 6 AR steps), which one exploring round would pay and mis-measure.
 CATCH_UP_TOKENS = 64
+# Context tokens a drafting round finds unread beyond which the draft reads them before it drafts, timed apart (a
+# catch-up, after AR rounds or at a prompt). One or two are the round's accepted token and bonus: every round's
+# first draft step reads those.
+CATCH_UP_LAG = 2
 LATE_GRACE = 0.5  # one prompt's job step may end this share of a step after the expected outcome (assisted.py)
 FULL_EVERY = 4  # decisions between two predictions of every option
 SHORTLIST = 8  # options re-predicted at the other decisions: the best of the last full pass
@@ -191,6 +195,13 @@ class Scheduler:
         self._lost_trial = False  # a trial that did not beat AR: the rest of the call runs the target alone
         self._trial_considered = False  # a call's trial (`trial_pays`): considered once, at the first AR decision
         self.trials = 0
+
+    def prefilled(self) -> None:
+        """The prompt prefill ran as a round of its own (hf_ssd's loop): a warm-up counts it as its first AR round,
+        which `decide` would otherwise make the round after it."""
+        if self.warming and self._decisions == 0:
+            self._decisions += 1
+            self.warmup_rounds += 1
 
     def first_rounds(self, every_family: bool = False) -> list[Option]:
         """The rounds a pair with no estimates runs first: the default three times, then each other kind (SSD,
