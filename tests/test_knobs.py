@@ -38,19 +38,23 @@ def test_fallback_gamma_with_another_fallback_is_refused(fallback):
         config.validate()
 
 
-def test_fallback_gamma_changes_what_a_miss_drafts(target, random_draft):
+@pytest.mark.parametrize("loop", ["assisted", "batch"])
+def test_fallback_gamma_changes_what_a_miss_drafts(target, random_draft, loop):
     """A random draft misses nearly every round: each miss drafts `fallback_gamma` tokens (a 1-token and a
-    3-token fallback propose different numbers of tokens), and the output stays the target's."""
+    3-token fallback propose different numbers of tokens), and the output stays the target's; on both paths of
+    one prompt (`loop`: the one-prompt path, hf_ssd's own loop), whose stats count each miss's fallback."""
     want = target.generate(PROMPT, do_sample=False, max_new_tokens=16)
     proposed = {}
     for n in (1, 3):
         config = SSDConfig(gamma=4, fallback_gamma=n, schedule="fixed", layout="inline", fanout="geometric",
                            fanout_budget=1, **QUIET)
         out = target.generate(PROMPT, assistant_model=random_draft, do_sample=False, max_new_tokens=16,
-                              ssd_config=config)
+                              ssd_config=config, _ssd_hooks={"loop": loop})
         assert torch.equal(out, want)
         stats = hf_ssd.last_stats(target)
         assert stats.fallbacks.get("short", 0) == stats.cache_misses > 0
+        assert stats.cost_model["rounds_seen"] >= stats.rounds - 1  # the estimates as the call left them (its last
+        # round may be measured after the call)
         proposed[n] = stats.proposed_tokens / stats.rounds
     assert proposed[1] < proposed[3]
 

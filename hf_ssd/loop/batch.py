@@ -544,8 +544,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if measure is not None:
         measure()
     stats.intervals["speculate"] = list(speculator.busy)
-    warmed = plan.scheduler(len(rows))
-    stats.warmup_rounds, stats.warming_up = warmed.warmup_rounds, warmed.warming
+    call = plan.scheduler(len(rows))  # the call's size: its warm-up, and the estimates it leaves
+    stats.warmup_rounds, stats.warming_up = call.warmup_rounds, call.warming
+    stats.cost_model = call.costs.snapshot(call.default.gamma, sorted({o.budget for o in call.options if o.kind == "ssd"}))
     if decoding is not None:
         _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds, rated)
     stats.rows = [r.stats() for r in rows]
@@ -992,6 +993,9 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             stats.add_lookup(predicted, found is not None)
             stats.cache_hits += found is not None
             stats.cache_misses += found is None
+            if found is None:  # the next round's fallback for this row: the model's length, else the user's
+                kind = "short" if scheduler.auto_fallback else scheduler.config.fallback
+                stats.fallbacks[kind] = stats.fallbacks.get(kind, 0) + 1
         stats.branches_drafted += len(rnd.tree.branches)
         stats.outcomes_predicted += len(rnd.tree.branches)
     stats.add_round("prefill" if rnd.prefill else rnd.option.name, seconds, rnd.prediction, rnd.explored)
