@@ -139,10 +139,11 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     draft = kwargs.get("assistant_model")
     hooks = kwargs.pop("_ssd_hooks", None)
     rows = _batch_size(args, kwargs)
-    # One prompt runs transformers' assisted loop with hf_ssd's candidate generator: at B = 1 on the real pair the
-    # loop gained 1.12x over the target alone where that path gained 1.21x (docs/performance.md, session 20); the
-    # loop lacks its confidence-stopped drafts and its one-prompt settings (`_one_prompt_config`). The `loop` hook
-    # sends one prompt through the loop ("batch"; tests and benchmarks).
+    # One prompt runs transformers' assisted loop with hf_ssd's candidate generator. The loop runs one prompt as
+    # that path does (warm-up, trial, catch-ups) and about as fast (real pair 1.21x the target, the package before
+    # batched calls 1.25x; simulated device 1.83-1.89x, this path 1.77-1.80x; docs/performance.md, session 24),
+    # but lacks its one-thread options, its tuning profiles and its one-prompt settings (`_one_prompt_config`).
+    # The `loop` hook sends one prompt through the loop ("batch"; tests and benchmarks).
     batch_path = rows > 1 or (hooks or {}).get("loop") == "batch"
     _validate_call(model, draft, args, kwargs, batch_path)
     layout = resolve_layout(config.layout, model, draft)

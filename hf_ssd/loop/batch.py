@@ -1,4 +1,5 @@
-"""hf_ssd's decoding loop for batches (B > 1), entered through transformers' `custom_generate`.
+"""hf_ssd's decoding loop for batches (B > 1; one prompt too through the `loop` hook, which then warms up and
+catches its draft up as the one-prompt path does), entered through transformers' `custom_generate`.
 
 transformers prepares the generation config, logits processors, stopping criteria and the attention mask, then
 calls `decode`. Each round, for the rows still generating:
