@@ -501,8 +501,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
             with speculator.on_critical_path():
                 rnd.catch_up_s = _catch_up(drafter, live, rnd, own.costs, ngram)
-            t0 = time.perf_counter()
-            with speculator.on_critical_path():
+                t0 = time.perf_counter()  # the draft's time from here: its steps
                 _propose(drafter, live, rnd, ngram, _held(scheduler, rnd.option, drafter))
             t1 = time.perf_counter()
             feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
