@@ -139,12 +139,13 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     draft = kwargs.get("assistant_model")
     hooks = kwargs.pop("_ssd_hooks", None)
     rows = _batch_size(args, kwargs)
-    # One prompt runs transformers' assisted loop with hf_ssd's candidate generator. The loop runs one prompt as
-    # that path does (warm-up, trial, catch-ups) and about as fast (real pair 1.21x the target, the package before
-    # batched calls 1.25x; simulated device 1.83-1.89x, this path 1.77-1.80x; docs/performance.md, session 24),
-    # but lacks its one-thread options, its tuning profiles and its one-prompt settings (`_one_prompt_config`).
-    # The `loop` hook sends one prompt through the loop ("batch"; tests and benchmarks).
-    batch_path = rows > 1 or (hooks or {}).get("loop") == "batch"
+    # Every batch size runs hf_ssd's loop (loop/batch.py), one prompt included. One prompt runs transformers'
+    # assisted loop with hf_ssd's candidate generator (loop/assisted.py) only for what the loop lacks: the
+    # one-prompt settings (`_one_prompt_config`: deeper pipelines, eviction, the static draft, CUDA graphs) and
+    # per-step attentions or hidden states. The `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
+    route = (hooks or {}).get("loop")
+    batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
+                                                  and not _internals_asked(model, kwargs))
     _validate_call(model, draft, args, kwargs, batch_path)
     layout = resolve_layout(config.layout, model, draft)
     if batch_path:
@@ -188,20 +189,22 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
 
 
 def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: float, layout: str, hooks):
-    """B > 1: hf_ssd's own loop (loop/batch.py) as transformers' `custom_generate`; transformers prepares the
-    inputs, processors and stopping criteria, and the loop runs AR or plain SD rounds over all rows."""
+    """hf_ssd's own loop (loop/batch.py), any batch size, as transformers' `custom_generate`: transformers
+    prepares the inputs, processors and stopping criteria, and the loop runs AR, SD or SSD rounds over all rows."""
     stats = SSDStats(layout=layout, schedule=config.schedule, draft_path="batched")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "assistant_tokenizer")}
-    # transformers hands a callable neither the draft nor the streamer: the loop gets them bound.
-    decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats,
-                               ssd_layout=layout, ssd_hooks=hooks, ssd_streamer=kwargs.pop("streamer", None))
+    streamer = kwargs.pop("streamer", None)
     _stop_strings_as_criteria(model, kwargs)
     if getattr(_active, "call", None) is not None:
         raise SSDUsageError("generate(ssd_config=...) is not re-entrant on one thread.")
     stats.setup_time = time.perf_counter() - start
     _active.call = {"model": model}
     try:
-        with thread_settings(layout, config, model), draft_matmul(draft, config.draft_matmul, model):
+        with thread_settings(layout, config, model) as cpu_threads, draft_matmul(draft, config.draft_matmul, model):
+            # transformers hands a callable neither the draft nor the streamer: the loop gets them bound.
+            decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats,
+                                       ssd_layout=layout, ssd_hooks=hooks, ssd_streamer=streamer,
+                                       ssd_cpu_threads=cpu_threads)
             out = type(model).generate(model, *args, custom_generate=decode, **kwargs)
     finally:
         _active.call = None

@@ -76,7 +76,7 @@ class SSDStats:
     layout: str = ""
     batch_size: int = 1
     rows: list = field(default_factory=list)  # batched calls: per row new tokens, rounds, acceptance
-    draft_path: str = ""  # "dynamic", "static" or "static+graphs"
+    draft_path: str = ""  # "batched" (hf_ssd's loop), "plain batched"; one-prompt path: "dynamic", "static", "static+graphs"
     schedule: str = ""
     options: dict = field(default_factory=dict)
     explored_rounds: int = 0

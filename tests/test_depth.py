@@ -237,7 +237,7 @@ def test_depth_one_never_drafts_ahead(slow_pair):
     try:
         config = SSDConfig(layout="thread", schedule="fixed", gamma=3, fanout_budget=2, hit_rate_warning=0)
         target.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=30, do_sample=False, assistant_model=draft,
-                        ssd_config=config)
+                        ssd_config=config, _ssd_hooks={"loop": "assisted"})  # the path that serves depth > 1
     finally:
         unsimulate(target)
     st = hf_ssd.last_stats(target)

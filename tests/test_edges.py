@@ -23,6 +23,8 @@ from transformers.generation.streamers import BaseStreamer
 import hf_ssd
 from hf_ssd import SSDConfig, SSDStats
 from hf_ssd.drafting.drafter import Drafter
+from hf_ssd.loop import batch as batch_loop
+from hf_ssd.scheduling.costs import reset_estimates
 from hf_ssd.speculation.cache import SpeculationCache
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])
@@ -71,7 +73,7 @@ def with_ssd(target, draft, prompt=PROMPT, config=None, **kw):
 
 @pytest.fixture
 def served(monkeypatch):
-    """Record every cache hit: (branch tokens, tokens actually proposed from it)."""
+    """Record every cache hit: (branch tokens, tokens actually proposed from it), on either path of one prompt."""
     log = {"branches": [], "adopted": []}
     get, adopt = SpeculationCache.get, Drafter.adopt
 
@@ -85,8 +87,18 @@ def served(monkeypatch):
         log["adopted"].append((log["branches"][-1], list(tokens)))
         return adopt(self, state, tokens)
 
+    def recording_propose(drafter, live, rnd, *args, **kwargs):  # hf_ssd's loop: a hit row's ready branch
+        ready = [list(r.ready.tokens) if r.ready is not None else None for r in live]
+        propose(drafter, live, rnd, *args, **kwargs)
+        for branch, hit, used in zip(ready, rnd.hits, rnd.candidates):
+            if hit:
+                log["branches"].append(branch)
+                log["adopted"].append((branch, list(used)))
+
+    propose = batch_loop._propose
     monkeypatch.setattr(SpeculationCache, "get", recording_get)
     monkeypatch.setattr(Drafter, "adopt", recording_adopt)
+    monkeypatch.setattr(batch_loop, "_propose", recording_propose)
     return log
 
 
@@ -357,7 +369,9 @@ def test_seeded_sampling_is_valid(target, close_draft, layout, schedule):
     def run():
         torch.manual_seed(0)
         # fanout="geometric": the calibrated predictor carries what it learned into the next call (by design),
-        # so two seeded calls would pre-draft different outcomes and draw different (equally exact) samples.
+        # so two seeded calls would pre-draft different outcomes and draw different (equally exact) samples. So
+        # does the pair's acceptance estimate, which splits a job's branches over k: each run starts without it.
+        reset_estimates(target)
         config = SSDConfig(layout=layout, schedule=schedule, fanout="geometric", **QUIET)
         return target.generate(PROMPT, assistant_model=close_draft, ssd_config=config, **kw)
 

@@ -19,6 +19,7 @@ from hf_ssd.models.simulated import DeviceCost, simulate_device, unsimulate
 from hf_ssd.speculation.outcomes import Outcome
 
 PROMPTS = [[3, 4, 5], [7, 8, 9, 10], [11, 2, 40, 41, 42], [20, 21]]
+ASSISTED = {"loop": "assisted"}  # the path under test
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def _run(target, draft, ids, **config):
     simulate_device(target, DeviceCost(0.02))
     try:
         out = target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                              assistant_model=draft, ssd_config=cfg)
+                              assistant_model=draft, ssd_config=cfg, _ssd_hooks=ASSISTED)
     finally:
         unsimulate(target)
     return out[0].tolist(), hf_ssd.last_stats(target)
@@ -160,7 +161,7 @@ def test_sampled_branches_carry_the_draft_distribution_of_every_token(pair):
         torch.manual_seed(0)
         # No warpers (top_k=0, temperature 1): q is the draft's plain softmax, computable here.
         target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=24, do_sample=True, top_k=0, temperature=1.0,
-                        eos_token_id=None, assistant_model=draft, ssd_config=cfg)
+                        eos_token_id=None, assistant_model=draft, ssd_config=cfg, _ssd_hooks=ASSISTED)
     finally:
         unsimulate(target)
         mp.undo()

@@ -7,8 +7,10 @@ The 1,000-call soak is marked slow (run with --runslow or HF_SSD_SLOW=1); a 100-
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import threading
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from conftest import make_model, noisy_copy
 
 import hf_ssd
 from hf_ssd import SSDConfig
+from hf_ssd.loop import batch as batch_loop
 from hf_ssd.speculation.cache import SpeculationCache
 
 NEW = 8
@@ -36,9 +39,10 @@ def speculator_threads() -> list[threading.Thread]:
 
 @pytest.fixture
 def bounded_cache(monkeypatch):
-    """Wrap SpeculationCache.put: record every put's size against the capacity (asserting inside the speculator
-    thread could be lost, so violations are collected and checked by the test)."""
-    seen = {"puts": 0, "violations": [], "fullest": 0}
+    """Wrap SpeculationCache.put (the one-prompt path) and the loop's jobs: record every put's size, and every
+    job's branches of one row, against the capacity (asserting inside the speculator thread could be lost, so
+    violations are collected and checked by the test)."""
+    seen = {"puts": 0, "violations": [], "fullest": 0, "capacity": 0}  # capacity: the soak's cache_size
     original_put = SpeculationCache.put
 
     def put(self, branch):
@@ -48,7 +52,18 @@ def bounded_cache(monkeypatch):
             seen["violations"].append((len(self), self.capacity))
         seen["fullest"] = max(seen["fullest"], len(self))
 
+    def speculate(*args, **kwargs):  # hf_ssd's loop: a job's branches, per row
+        speculated(*args, **kwargs)
+        tree = inspect.signature(speculated).bind(*args, **kwargs).arguments["tree"]
+        per_row = Counter(b.row for b in tree.branches)
+        seen["puts"] += len(tree.branches)
+        if per_row and max(per_row.values()) > seen["capacity"]:
+            seen["violations"].append((max(per_row.values()), seen["capacity"]))
+        seen["fullest"] = max([seen["fullest"], *per_row.values()])
+
+    speculated = batch_loop.speculate
     monkeypatch.setattr(SpeculationCache, "put", put)
+    monkeypatch.setattr(batch_loop, "speculate", speculate)
     return seen
 
 
@@ -59,6 +74,7 @@ def soak(target, draft, calls: int, bounded_cache) -> None:
     # A small cache under a larger fan-out budget: the cache fills up, so the bound is really exercised (a fixed
     # schedule: SSD every round; the auto scheduler may run SD on these cores and leave the cache unfilled).
     config = SSDConfig(gamma=4, fanout_budget=8, max_outcomes=8, cache_size=3, schedule="fixed", hit_rate_warning=0.0)
+    bounded_cache["capacity"] = config.cache_size
 
     def call(i):
         return target.generate(PROMPTS[i % len(PROMPTS)], assistant_model=draft, max_new_tokens=NEW,

@@ -10,6 +10,7 @@ import torch
 from conftest import make_model, noisy_copy
 
 import hf_ssd
+from hf_ssd.loop import batch as batch_loop
 
 
 def test_speculator_drafts_while_target_verifies(target, draft):
@@ -118,11 +119,14 @@ def test_stats_are_consistent_and_on_dict_output(target, draft, schedule):
     assert stats.new_tokens == out.sequences.shape[1] - 3 == 16
     # Every SSD round after the first looks the cache up, except a last one with no room for candidates (the
     # auto schedule may also run plain SD or AR rounds, which have no lookup).
+    # hf_ssd's loop runs the target's prompt prefill as a round of its own ("prefill"), whose job pre-drafts the
+    # first SSD round.
     ssd_rounds = sum(e["rounds"] for name, e in stats.options.items() if name.startswith("ssd"))
-    assert sum(e["rounds"] for e in stats.options.values()) == stats.rounds
+    prefill = stats.options.get("prefill", {}).get("rounds", 0)
+    assert prefill <= 1 and sum(e["rounds"] for e in stats.options.values()) == stats.rounds
     assert ssd_rounds - 2 <= stats.lookups <= ssd_rounds - (1 if ssd_rounds == stats.rounds else 0)
     if schedule == "fixed":
-        assert ssd_rounds == stats.rounds
+        assert ssd_rounds == stats.rounds - prefill
     assert stats.new_tokens == stats.accepted_tokens + stats.rounds
     assert 0.0 <= stats.bubble_ratio <= 1.0 and stats.wall_time > 0
     assert stats.cache_misses == sum(stats.fallbacks.values())
@@ -131,19 +135,27 @@ def test_stats_are_consistent_and_on_dict_output(target, draft, schedule):
     assert d["hit_rate"] == stats.hit_rate and "timeline" not in d
 
 
-def test_config_object_identity_is_kept(target, draft):
+@pytest.mark.parametrize("path", ["loop", "assisted"])
+def test_config_object_identity_is_kept(target, draft, monkeypatch, path):
+    """The caller's SSDConfig object itself reaches the round, on either path of one prompt."""
     config = hf_ssd.SSDConfig(hit_rate_warning=0)
     seen = []
-    original = target._get_candidate_generator
+    original, decode = target._get_candidate_generator, batch_loop.decode
 
     def spy(*args, **kwargs):
         gen = original(*args, **kwargs)
         seen.append(gen.config)
         return gen
 
+    def decode_spy(*args, ssd_config, **kwargs):
+        seen.append(ssd_config)
+        return decode(*args, ssd_config=ssd_config, **kwargs)
+
+    monkeypatch.setattr(batch_loop, "decode", decode_spy)
     target._get_candidate_generator = spy
     try:
-        target.generate(torch.tensor([[4, 5]]), max_new_tokens=4, assistant_model=draft, ssd_config=config)
+        target.generate(torch.tensor([[4, 5]]), max_new_tokens=4, assistant_model=draft, ssd_config=config,
+                        _ssd_hooks={"loop": "batch" if path == "loop" else "assisted"})
     finally:
         target._get_candidate_generator = original
-    assert seen and seen[0] is config
+    assert len(seen) == 1 and seen[0] is config

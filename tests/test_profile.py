@@ -52,9 +52,10 @@ def call(target, draft, tokens: int = 16, **config):
 
 
 def measured(target, draft) -> list:
-    """A fresh start (no estimates in this process), one call, the profile saved: its path."""
+    """A fresh start (no estimates in this process), one call (the calibrated fan-out: its calibration is saved
+    too), the profile saved: its path."""
     reset_estimates(target)
-    call(target, draft, 24)
+    call(target, draft, 24, fanout="calibrated")
     return profile.save(target, draft, source="test")
 
 
@@ -297,7 +298,8 @@ with torch.inference_mode():
                     do_sample=False, assistant_model=draft,
                     ssd_config=SSDConfig(hit_rate_warning=0.0, record_timeline=True))
 s = hf_ssd.last_stats(target)
-print(json.dumps({"options": len(s.option_shares()), "first_5": [e["option"] for e in s.timeline[:5]],
+rounds = [e["option"] for e in s.timeline if e["option"] != "prefill"]  # the loop's first round: the prompt's
+print(json.dumps({"options": len({n for n, *_ in s.option_shares()} - {"prefill"}), "first_5": rounds[:5],
                   "explored": s.explored_rounds, "profile": s.profile, "warming": s.warming_up}))
 """
 

@@ -35,8 +35,8 @@ def test_real_pair_ssd_greedy_equals_target(real_pair):
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     ref = target.generate(ids, max_new_tokens=32, do_sample=False)
     out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=draft,
-                          ssd_config=hf_ssd.SSDConfig(gamma=4, hit_rate_warning=0))
-    assert out.tolist() == ref.tolist()
+                          ssd_config=hf_ssd.SSDConfig(gamma=4, schedule="fixed", hit_rate_warning=0))
+    assert out.tolist() == ref.tolist()  # SSD every round (auto may stay in its warm-up, the target alone)
     stats = hf_ssd.last_stats(target)
     assert stats.new_tokens == 32 and stats.cache_hits > 0
 

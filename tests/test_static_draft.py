@@ -269,6 +269,11 @@ def test_bad_config(kw, match):
 def test_default_on_cpu_is_dynamic(target, draft):
     target.generate(prompt(0), max_new_tokens=8, do_sample=False, assistant_model=draft,
                     ssd_config=SSDConfig(layout="inline", hit_rate_warning=0.0))
+    # hf_ssd's loop ("batched", which one prompt runs by default) and the one-prompt path's dynamic drafter both
+    # grow their caches as they go; neither is the static path.
+    assert hf_ssd.last_stats(target).draft_path == "batched"
+    target.generate(prompt(0), max_new_tokens=8, do_sample=False, assistant_model=draft,
+                    ssd_config=SSDConfig(layout="inline", hit_rate_warning=0.0), _ssd_hooks={"loop": "assisted"})
     assert hf_ssd.last_stats(target).draft_path == "dynamic"
 
 
@@ -281,6 +286,11 @@ def test_masked_prompt_takes_the_dynamic_path_and_stays_exact(target, draft, cap
         out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
                               ssd_config=SSDConfig(static_draft=True, layout="inline", hit_rate_warning=0.0))
     assert out.tolist() == ref.tolist()
+    # hf_ssd's loop ("batched", which one prompt runs by default) and the one-prompt path's dynamic drafter both
+    # grow their caches as they go; neither is the static path.
+    assert hf_ssd.last_stats(target).draft_path == "batched"
+    target.generate(prompt(0), max_new_tokens=8, do_sample=False, assistant_model=draft,
+                    ssd_config=SSDConfig(layout="inline", hit_rate_warning=0.0), _ssd_hooks={"loop": "assisted"})
     assert hf_ssd.last_stats(target).draft_path == "dynamic"
     assert "attention_mask masks some columns" in caplog.text
 

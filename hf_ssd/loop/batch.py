@@ -1,5 +1,5 @@
-"""hf_ssd's decoding loop for batches (B > 1; one prompt too through the `loop` hook, which then warms up and
-catches its draft up as the one-prompt path does), entered through transformers' `custom_generate`.
+"""hf_ssd's decoding loop for every batch size (one prompt too, which warms up and catches its draft up as the
+one-prompt path does), entered through transformers' `custom_generate`.
 
 transformers prepares the generation config, logits processors, stopping criteria and the attention mask, then
 calls `decode`. Each round, for the rows still generating:
@@ -146,12 +146,13 @@ class Round:
     times: tuple = ()  # perf_counter (start, candidates ready, verify start, verify end)
 
 
-def batch_options(config, fixed_budget: int, hooks: dict) -> tuple[list[Option], Option]:
-    """(options, default) for batches: `allowed_options` without one prompt's thread counts, confidence-stopped SD
-    included (each row stops on its own draft's confidence, `BatchDrafter.propose`; each batch size keeps the
-    budgets within BATCH_BRANCHES, `BatchPlan.scheduler`); the default is plain SD at the configured gamma where
-    that is an option, else the first of them."""
-    options = allowed_options(config, "thread", fixed_budget, wide=True)
+def batch_options(config, fixed_budget: int, hooks: dict, fewer_threads: tuple[int, ...] = ()
+                  ) -> tuple[list[Option], Option]:
+    """(options, default): `allowed_options`, confidence-stopped SD included (each row stops on its own draft's
+    confidence, `BatchDrafter.propose`; each batch size keeps the budgets within BATCH_BRANCHES,
+    `BatchPlan.scheduler`), AR and SD at `fewer_threads` too; the default is plain SD at the configured gamma
+    where that is an option, else the first of them."""
+    options = allowed_options(config, "thread", fixed_budget, fewer_threads, wide=True)
     default = Option("sd", config.gamma) if Option("sd", config.gamma) in options else options[0]
     if "options" in hooks:  # tests and tooling restrict the choice
         options = list(hooks["options"](options)) or options
@@ -164,9 +165,9 @@ class BatchPlan:
     estimates at that size: a batched verify costs more per row on CPU cores than on an idle accelerator."""
 
     def __init__(self, target, draft, config, do_sample: bool, layout: str, hooks: dict, top_k: int,
-                 single: bool = False):
+                 single: bool = False, cpu_threads: int | None = None):
         self.target, self.draft, self.config, self.do_sample = target, draft, config, do_sample
-        self.layout, self.top_k = layout, top_k
+        self.layout, self.top_k, self.hooks = layout, top_k, hooks
         # A call of one prompt: a pair that has never drafted warms up (AR until learning whether drafting pays
         # fits `SSDConfig.warmup_budget`, then a trial round) within the call, instead of a first call of plain
         # decoding, which would leave one-prompt calls (the command line's one call) no faster than the target.
@@ -174,7 +175,11 @@ class BatchPlan:
         fixed_budget, _ = config.resolved_budget(draft.device.type == "cuda")
         if isinstance(config.fanout, list):  # the user's bonuses per k: that many branches a row
             fixed_budget = sum(config.fanout)
-        self.options, self.default = batch_options(config, fixed_budget, hooks)
+        # One prompt on CPU cores shared with other work can run faster on one thread than on all: its AR and SD
+        # rounds may also run with one (a batch's verify is compute-bound: it keeps its threads).
+        fewer = (1,) if (single and layout == "thread" and not config.is_set("cpu_threads")
+                         and (cpu_threads or 1) > 1) else ()
+        self.options, self.default = batch_options(config, fixed_budget, hooks, fewer)
         self.auto_budgets = not (config.is_set("fanout_budget") or config.is_set("fanout")
                                  or config.schedule == "fixed")
         self._schedulers: dict[int, Scheduler] = {}
@@ -185,7 +190,7 @@ class BatchPlan:
             options = [o for o in self.options if o.kind != "ssd" or o.budget * size <= BATCH_BRANCHES
                        or not self.auto_budgets] or self.options
             default = self.default if self.default in options else options[0]
-            costs = cost_model_for(self.target, self.draft, self.draft.device, f"batch{size}:{self.layout}",
+            costs = cost_model_for(self.target, self.draft, self.draft.device, estimates_key(size, self.layout),
                                    self.do_sample, self.top_k, self.config.initial_acceptance,
                                    self.config.draft_matmul)
             with costs.lock:
@@ -196,7 +201,8 @@ class BatchPlan:
             warmup = self.config.warmup_budget if self.single and self.config.schedule == "auto" else None
             self._schedulers[size] = Scheduler(self.config, costs, options, default,
                                                inline=self.layout == "inline", rows=size, deferred_record=True,
-                                               warmup_budget=warmup)
+                                               warmup_budget=warmup,
+                                               every_family=bool(self.hooks.get("every_family")))
         return self._schedulers[size]
 
     def scheduler_for(self, live: int, start: int) -> Scheduler:
@@ -335,13 +341,16 @@ class BatchPlan:
     def _sizes(self) -> dict[int, object]:
         """Batch size -> this pair's CostModel for batches of that size in this plan's setting (device, layout,
         mode), created by earlier calls."""
-        out = {}
-        for key, costs in estimates_of(self.target, self.draft):
-            name = key[2]
-            if (name.startswith("batch") and name.endswith(f":{self.layout}") and key[1] == str(self.draft.device)
-                    and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul)):
-                out[int(name[len("batch"):-len(self.layout) - 1])] = costs
-        return out
+        names = {estimates_key(s, self.layout): s for s in (1 << i for i in range(12))}
+        return {names[key[2]]: costs for key, costs in estimates_of(self.target, self.draft)
+                if key[2] in names and key[1] == str(self.draft.device)
+                and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul)}
+
+
+def estimates_key(size: int, layout: str) -> str:
+    """The name of a batch size's estimates (`cost_model_for`): one prompt's are the layout's own, whichever path
+    ran it (the tuning profile `hf-ssd tune` writes is under it); a batch's are apart, its verify costing more."""
+    return layout if size == 1 else f"batch{size}:{layout}"
 
 
 def _listed(fanout) -> list[int]:
@@ -429,10 +438,11 @@ class _Processing:
 
 def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
            streamer=None, *, ssd_draft, ssd_config, ssd_stats: SSDStats, ssd_layout: str = "thread",
-           ssd_hooks: dict | None = None, ssd_streamer=None, **model_kwargs):
+           ssd_hooks: dict | None = None, ssd_streamer=None, ssd_cpu_threads: int | None = None, **model_kwargs):
     """The `custom_generate` callable of batched calls (see the module docstring). `ssd_streamer`: the caller's
     streamer (one row), which transformers does not hand to a callable; it gets the prompt, each round's new
-    tokens, then `end()`, as transformers' own loops give them."""
+    tokens, then `end()`, as transformers' own loops give them. `ssd_cpu_threads`: the call's torch threads on CPU
+    cores (`layouts.thread_settings`), which a round of an option with fewer sets for its own forwards."""
     streamer = ssd_streamer if ssd_streamer is not None else streamer
     if ssd_streamer is not None:
         ssd_streamer.put(input_ids.cpu())
@@ -444,7 +454,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     rows = _rows(input_ids, model_kwargs.get("attention_mask"))
     single = len(rows) == 1
     plan = BatchPlan(model, ssd_draft, ssd_config, do_sample, ssd_layout, ssd_hooks or {},
-                     top_k=max(AUTO_BUDGETS + WIDE_BUDGETS + tuple(_listed(ssd_config.fanout))) + 1, single=single)
+                     top_k=max(AUTO_BUDGETS + WIDE_BUDGETS + tuple(_listed(ssd_config.fanout))) + 1, single=single,
+                     cpu_threads=ssd_cpu_threads)
     ssd_stats.batch_size = len(rows)
     if (not single and (ssd_hooks or {}).get("plain", True)
             and plan.plain(rows, generation_config.max_length - input_ids.shape[1])):
@@ -474,7 +485,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     for r in rows:
         r.done = r not in live
     # On one GPU the job's draft work goes on its own CUDA stream (so does the caller's, `on_critical_path`).
-    speculator = Speculator(ssd_layout if ssd_layout in ("inline", "stream") else "thread", device=ssd_draft.device)
+    speculator = Speculator(ssd_layout if ssd_layout in ("inline", "stream") else "thread", ssd_cpu_threads,
+                            ssd_draft.device)
     inference = torch.is_inference_mode_enabled()  # the job's thread runs in the caller's mode
 
     def allowed(row: Row, o: Outcome) -> bool:  # an outcome worth a branch: the row goes on after it
@@ -499,6 +511,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             scheduler.job_budget = own.job_budget = functools.partial(_job_budget, share=share, live=len(live),
                                                                       room=ssd_config.cache_size)
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
+            _threads(rnd.option, ssd_cpu_threads)
             with speculator.on_critical_path():
                 rnd.catch_up_s = _catch_up(drafter, live, rnd, own.costs, ngram)
                 t0 = time.perf_counter()  # the draft's time from here: its steps
@@ -682,6 +695,14 @@ def _schedule(scheduler: Scheduler, live: list[Row], first: bool, decided, max_l
     return Round(option, prediction, explored, limits, prefill=first, hits=hits)
 
 
+def _threads(option: Option, cpu_threads: int | None) -> None:
+    """The round's torch threads on the caller's thread (its draft steps and verify): the option's, else the
+    call's. The job's thread keeps the call's (`Speculator`); the call's are restored when it ends."""
+    want = option.threads or cpu_threads
+    if want and torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+
+
 def _catch_up(drafter: BatchDrafter, live: list[Row], rnd: Round, costs, ngram: int = 0) -> float:
     """1b. Before a round drafts (or, `rnd` None, a job pre-drafts), the draft reads what its drafting rows lag
     beyond the round's last tokens (a prompt it has not read, AR rounds), timed apart as a prefill: timed with
@@ -699,7 +720,7 @@ def _catch_up(drafter: BatchDrafter, live: list[Row], rnd: Round, costs, ngram: 
     t = time.perf_counter()
     fed = drafter.catch_up(live, lagging)
     seconds = time.perf_counter() - t
-    if fed:
+    if fed and not (rnd is not None and rnd.option.threads):  # the prefill's fit is of the call's threads
         costs.add_draft_prefill(fed, seconds)
     return seconds
 
@@ -938,9 +959,11 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
         if first:  # the target's prompt prefill: what a catch-up and a trial round are priced from
             costs.add_prefill(sum(len(r.real) for r in live) - tokens, rnd.verify_s)
         else:  # the first round's forwards include both prompts' prefill
+            threads = rnd.option.threads
             if drafted_now:
-                costs.add_draft(drafted_now, rnd.draft_s)
-            costs.add_verify(n, rnd.verify_s, job.budget if job is not None and not scheduler.inline else None)
+                costs.add_draft(drafted_now, rnd.draft_s, threads)
+            costs.add_verify(n, rnd.verify_s, job.budget if job is not None and not scheduler.inline else None,
+                             threads)
             decided_with, scheduler.job_budget = scheduler.job_budget, job_budget or scheduler.job_budget
             try:
                 model = scheduler.model(rnd.option)

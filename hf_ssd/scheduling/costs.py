@@ -182,6 +182,9 @@ def _locked(method):
     return locked
 
 
+MIN_TRIED = 1e-3  # the least weight a new call leaves the scalar acceptance's counts (`CostModel.new_call`)
+
+
 class CostModel:
     """Measured costs of one (target, draft, device, layout, mode) combination. All times in seconds.
 
@@ -287,7 +290,10 @@ class CostModel:
         self.confidence_accepted = [keep * c for c in self.confidence_accepted]
         if self.positions[1] > 0:
             keep = min(keep, CALL_PRIOR_ROUNDS / self.positions[1])
-        self.accepted, self.tried = keep * self.accepted, keep * self.tried
+        # Never to nothing: calls that verify no candidate (AR, a draft-less fallback) would shrink the scalar's
+        # counts to zero over hundreds of calls (a batch of one's first round, its prompt's, verifies none).
+        scalar = max(keep, min(1.0, MIN_TRIED / self.tried)) if self.tried > 0 else keep
+        self.accepted, self.tried = scalar * self.accepted, scalar * self.tried
         self.positions = [keep * c for c in self.positions]
         self.positions_accepted = [keep * c for c in self.positions_accepted]
 
