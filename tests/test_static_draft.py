@@ -277,7 +277,11 @@ def test_default_on_cpu_is_dynamic(target, draft):
     assert hf_ssd.last_stats(target).draft_path == "dynamic"
 
 
-def test_masked_prompt_takes_the_dynamic_path_and_stays_exact(target, draft, caplog):
+def test_masked_prompt_takes_the_dynamic_path_and_stays_exact(caplog):
+    # float32: in float64 with eager attention, transformers 5.25 turns this left-padded prompt's logits to NaN
+    # (the target alone's too), and hf_ssd's estimates cannot bin NaN probabilities.
+    target = hf_ssd.enable(make_model(0).float())
+    draft = noisy_copy(target, 0.01).float()
     ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(1)], dim=1)
     mask = torch.ones_like(ids)
     mask[:, :3] = 0  # left padding: only the dynamic drafter honours the caller's attention_mask
@@ -285,12 +289,7 @@ def test_masked_prompt_takes_the_dynamic_path_and_stays_exact(target, draft, cap
     with caplog.at_level(logging.INFO, logger="hf_ssd"):
         out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
                               ssd_config=SSDConfig(static_draft=True, layout="inline", hit_rate_warning=0.0))
-    assert out.tolist() == ref.tolist()
-    # hf_ssd's loop ("batched", which one prompt runs by default) and the one-prompt path's dynamic drafter both
-    # grow their caches as they go; neither is the static path.
-    assert hf_ssd.last_stats(target).draft_path == "batched"
-    target.generate(prompt(0), max_new_tokens=8, do_sample=False, assistant_model=draft,
-                    ssd_config=SSDConfig(layout="inline", hit_rate_warning=0.0), _ssd_hooks={"loop": "assisted"})
+    assert len(set(ref[0, ids.shape[1]:].tolist())) > 1 and out.tolist() == ref.tolist()
     assert hf_ssd.last_stats(target).draft_path == "dynamic"
     assert "attention_mask masks some columns" in caplog.text
 
