@@ -14,8 +14,8 @@ and with `SSDConfig()`, alternating which goes first (A B, B A, ...), greedy, --
 torch threads. Every SSD output is compared with the target's (greedy: they must be identical). Reported per
 child: tok/s of each method (all new tokens / all calls' wall time) and SSD / target; then this checkout's SSD
 tok/s over the old one's. --verbose: per prompt, both methods' seconds and SSD's stats summary (which options
-ran); --only old|new (or no --old): one checkout alone; --batch-loop: this checkout's SSD calls through hf_ssd's own
-loop (the `loop` hook), which batches run.
+ran); --only old|new (or no --old): one checkout alone; --assisted: this checkout's SSD calls through the one-prompt
+path (transformers' assisted loop with hf_ssd's candidate generator) instead of hf_ssd's own loop, the default.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--new-first", action="store_true", help="start with this checkout (new, old; then old, new)")
     p.add_argument("--only", choices=("old", "new"), help="measure one checkout only")
     p.add_argument("--verbose", action="store_true", help="per call: each method's seconds and SSD's stats summary")
-    p.add_argument("--batch-loop", action="store_true",
-                   help="this checkout's SSD calls run hf_ssd's own loop (the `loop` hook) instead of the one-prompt path")
+    p.add_argument("--assisted", action="store_true",
+                   help="this checkout's SSD calls run the one-prompt path (the `loop` hook) instead of hf_ssd's own "
+                        "loop, the default")
     p.add_argument("--child", help=argparse.SUPPRESS)  # a checkout's root: run the measurement with it
     p.add_argument("--io", help=argparse.SUPPRESS)  # the child's prompts (in) and results (out), JSON
     return p.parse_args(argv)
@@ -75,8 +76,8 @@ def child(args) -> None:
         kwargs = {"max_new_tokens": new, "do_sample": False}
         if method == "ssd":
             kwargs.update(assistant_model=draft, ssd_config=SSDConfig(hit_rate_warning=0.0))
-            if args.batch_loop:
-                kwargs["_ssd_hooks"] = {"loop": "batch"}
+            if args.assisted:
+                kwargs["_ssd_hooks"] = {"loop": "assisted"}
         x = torch.tensor([ids])
         start = time.perf_counter()
         out = target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--child", checkouts[name], "--io", f.name,
                "--max-new-tokens", str(args.max_new_tokens), "--warmup-calls", str(args.warmup_calls),
                "--threads", str(args.threads)] + (["--verbose"] if args.verbose else []) + (
-               ["--batch-loop"] if args.batch_loop and name == "new" else [])
+               ["--assisted"] if args.assisted and name == "new" else [])
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         subprocess.run(cmd, check=True, env=env)
         res = json.loads(Path(f.name).read_text())["result"]

@@ -7,7 +7,7 @@ Prints numbers; not a test.
     python scripts/batch_bench.py --sim             # the tiny pair on a SIMULATED device (see below)
     python scripts/batch_bench.py --tiny --prompts 4 --max-new-tokens 16 --batch-sizes 1,2,4   # smoke check
     python scripts/batch_bench.py --sim --batch-sizes 8 --no-memory --options 'ssd(b=16,g=4)'   # one fixed option
-    python scripts/batch_bench.py --sim --batch-sizes 1 --no-memory --batch-loop   # one prompt in the batch loop
+    python scripts/batch_bench.py --sim --batch-sizes 1 --no-memory --assisted     # one prompt, the one-prompt path
 
 Prompts: --prompts (16) of HumanEval and GSM (hf_ssd.bench.prompts; half each, HumanEval first), greedy,
 --max-new-tokens (64) each, --threads torch threads (2; 1 with --tiny/--sim). At each B the prompts, in the same order, are grouped
@@ -103,9 +103,9 @@ def parse_args(argv=None):
                    help="SSD restricted to these options, ';'-separated as the report names them (e.g. "
                         "'ssd(b=16,g=4);sd(g=3)'), with its loop forced (never plain batched decoding): fixed-option "
                         "runs to set beside the scheduler's choice (batch sizes > 1: the batch loop's options)")
-    p.add_argument("--batch-loop", action="store_true",
-                   help="B = 1 runs hf_ssd's batch loop too (by default one prompt runs the candidate generator in "
-                        "transformers' assisted loop): the batch loop's cost at one row")
+    p.add_argument("--assisted", action="store_true",
+                   help="B = 1 runs the one-prompt path (the candidate generator in transformers' assisted loop) "
+                        "instead of hf_ssd's loop, which every batch size runs by default")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     p.add_argument("--memory-child", choices=MEMORY_METHODS, help=argparse.SUPPRESS)  # internal: one memory measurement
     args = p.parse_args(argv)
@@ -140,8 +140,8 @@ def ssd_hooks(args, method: str) -> dict | None:
         hooks["plain"] = False  # never plain batched decoding
     if args.options:
         hooks["options"] = lambda options: [o for o in options if o.name in args.options]
-    if args.batch_loop:
-        hooks["loop"] = "batch"  # B = 1 too runs the batch loop
+    if args.assisted:
+        hooks["loop"] = "assisted"  # B = 1 through the one-prompt path
     return hooks or None
 
 

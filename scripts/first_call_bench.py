@@ -17,8 +17,8 @@ Ratios are within this one run. Every greedy output is compared with the target 
     flock /tmp/realpair.lock python scripts/first_call_bench.py                  # 3 prompts x 48 tokens
     python scripts/first_call_bench.py --tiny --prompts 2 --max-new-tokens 8     # smoke check
 
---batch-loop: the SSD calls run hf_ssd's own loop (loop/batch.py), which batches run, instead of the one-prompt
-path.
+--assisted: the SSD calls run the one-prompt path (loop/assisted.py) instead of hf_ssd's own loop, which every
+batch size runs by default.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def stdlib_prompts(n: int) -> list[str]:
     return out
 
 
-HOOKS: dict = {}  # --batch-loop: the SSD calls' `_ssd_hooks`
+HOOKS: dict = {}  # --assisted: the SSD calls' `_ssd_hooks`
 
 
 def call(method, target, draft, ids, new):
@@ -96,11 +96,12 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--probe-tokens", type=int, default=24, help="new tokens of the baselines' thread probe")
-    p.add_argument("--batch-loop", action="store_true",
-                   help="SSD calls run hf_ssd's own loop (the `loop` hook) instead of the one-prompt path")
+    p.add_argument("--assisted", action="store_true",
+                   help="SSD calls run the one-prompt path (transformers' assisted loop with hf_ssd's candidate "
+                        "generator) instead of hf_ssd's own loop, the default")
     args = p.parse_args(argv)
-    if args.batch_loop:
-        HOOKS["loop"] = "batch"
+    if args.assisted:
+        HOOKS["loop"] = "assisted"
     if args.tiny:
         from hf_ssd.models.tiny import tiny_pair
 
