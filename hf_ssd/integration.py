@@ -145,7 +145,8 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     # per-step attentions or hidden states. The `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
     route = (hooks or {}).get("loop")
     batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
-                                                  and not _internals_asked(model, kwargs))
+                                                  and not _internals_asked(model, kwargs)
+                                                  and not _masked_inside(model, args, kwargs))
     _validate_call(model, draft, args, kwargs, batch_path)
     layout = resolve_layout(config.layout, model, draft)
     if batch_path:
@@ -365,6 +366,25 @@ def _internals_asked(model, kwargs) -> list[str]:
     """Per-step model internals asked for, which only the single-prompt path returns."""
     gen_config = kwargs.get("generation_config") or model.generation_config
     return [k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k, getattr(gen_config, k, False))]
+
+
+def _masked_inside(model, args, kwargs) -> bool:
+    """Whether the prompt's attention mask (passed, or as transformers infers it from pad tokens) masks a column
+    after an attended one. The loop drops masked columns; transformers still reads such a column's query (a
+    prompt ending in the pad token predicts its first token from it), which only the one-prompt path repeats."""
+    inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
+        return False
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        gen_config = kwargs.get("generation_config") or model.generation_config
+        pad = kwargs.get("pad_token_id", getattr(gen_config, "pad_token_id", None))
+        if pad is None:
+            return False
+        mask = inputs != torch.as_tensor(pad, device=inputs.device).flatten()[0]
+    mask = mask.bool()
+    attended = mask.long().cummax(dim=-1).values.bool()
+    return bool((attended & ~mask).any())
 
 
 def _check_batch_config(config: SSDConfig, rows: int) -> None:

@@ -394,3 +394,12 @@ def test_draft_is_the_target_itself(target):
 def test_draft_in_another_dtype(target):
     draft32 = noisy_copy(target, 0.0).float()
     assert torch.equal(with_ssd(target, draft32, max_new_tokens=16), alone(target, max_new_tokens=16))
+
+
+def test_a_prompt_ending_in_the_pad_token_is_exact(target, close_draft):
+    """transformers masks the pad token it finds in a prompt but still predicts the first new token from that
+    column's query; hf_ssd's loop drops masked columns, so such a prompt runs the one-prompt path (found by
+    tests/test_fuzz.py: [1, 1, 0] gave another continuation in the loop)."""
+    for ids in ([[1, 1, 0]], [[5, 0, 7, 0]], [[9, 0, 4]]):
+        x = torch.tensor(ids)
+        assert torch.equal(with_ssd(target, close_draft, prompt=x, max_new_tokens=6), alone(target, x, max_new_tokens=6))
