@@ -142,7 +142,8 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     # Every batch size runs hf_ssd's loop (loop/batch.py), one prompt included. One prompt runs transformers'
     # assisted loop with hf_ssd's candidate generator (loop/assisted.py) only for what the loop lacks: the
     # one-prompt settings (`_one_prompt_config`: deeper pipelines, eviction, the static draft, CUDA graphs) and
-    # per-step attentions or hidden states. The `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
+    # per-step attentions or hidden states, and a prompt whose mask has a hole (`_masked_inside`). The `loop` hook
+    # picks a path ("batch" or "assisted"; tests, benchmarks).
     route = (hooks or {}).get("loop")
     batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
                                                   and not _internals_asked(model, kwargs)
