@@ -141,11 +141,13 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     rows = _batch_size(args, kwargs)
     # Every batch size runs hf_ssd's loop (loop/batch.py), one prompt included. One prompt runs transformers'
     # assisted loop with hf_ssd's candidate generator (loop/assisted.py) only for what the loop lacks: the
-    # one-prompt settings (`_one_prompt_config`: deeper pipelines, eviction, the static draft, CUDA graphs) and
-    # per-step attentions or hidden states, and a prompt whose mask has a hole (`_masked_inside`). The `loop` hook
-    # picks a path ("batch" or "assisted"; tests, benchmarks).
+    # one-prompt settings (`_one_prompt_config`: deeper pipelines, eviction, the static draft, CUDA graphs), the
+    # static draft a CUDA draft gets by default (graphs: `_static_draft`), per-step attentions or hidden states,
+    # and a prompt whose mask has a hole (`_masked_inside`). The `loop` hook picks a path ("batch" or "assisted";
+    # tests, benchmarks).
     route = (hooks or {}).get("loop")
     batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
+                                                  and not _static_draft(config, draft)
                                                   and not _internals_asked(model, kwargs)
                                                   and not _masked_inside(model, args, kwargs))
     _validate_call(model, draft, args, kwargs, batch_path)
@@ -361,6 +363,13 @@ def _one_prompt_config(config: SSDConfig) -> list[str]:
     """The settings of `config` that only the single-prompt path serves."""
     return [f"{name}={getattr(config, name)!r}" for name, default in _ONE_PROMPT_ONLY.items()
             if getattr(config, name) != default]
+
+
+def _static_draft(config: SSDConfig, draft) -> bool:
+    """Whether one prompt's draft takes the static path (and CUDA graphs), which only the single-prompt path
+    drafts with: by default a CUDA draft, where eager steps are bound by kernel launches and the interpreter."""
+    device = getattr(draft, "device", None)
+    return config.resolved_draft_path(getattr(device, "type", None) == "cuda")[0]
 
 
 def _internals_asked(model, kwargs) -> list[str]:

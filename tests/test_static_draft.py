@@ -256,6 +256,20 @@ def test_resolved_draft_path():
     assert SSDConfig(static_draft=True, cuda_graphs=False).resolved_draft_path(True) == (True, False)
 
 
+def test_one_prompt_with_a_static_draft_runs_the_one_prompt_path():
+    """hf_ssd's loop has no static draft yet: one prompt whose draft resolves to it (a CUDA draft by default, or
+    static_draft=True) runs the one-prompt path, which drafts with it (and graphs on CUDA)."""
+    from types import SimpleNamespace
+
+    from hf_ssd.integration import _static_draft
+
+    on = {kind: SimpleNamespace(device=torch.device(kind)) for kind in ("cpu", "cuda")}
+    assert _static_draft(SSDConfig(), on["cuda"]) and not _static_draft(SSDConfig(), on["cpu"])
+    assert not _static_draft(SSDConfig(static_draft=False), on["cuda"])
+    assert _static_draft(SSDConfig(static_draft=True), on["cpu"])
+    assert not _static_draft(SSDConfig(), None)  # no draft: refused later, with its own message
+
+
 @pytest.mark.parametrize(("kw", "match"), [
     (dict(static_draft="yes"), "static_draft must be True, False or None"),
     (dict(cuda_graphs=1), "cuda_graphs must be True, False or None"),
