@@ -154,6 +154,7 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     layout = resolve_layout(config.layout, model, draft)
     if batch_path:
         _check_batch_config(config, rows)
+        _check_padding(model, args, kwargs)
     probe_draft(draft)  # last: a few tiny draft forwards, once per draft model
     if batch_path:
         return _batched_generate(model, draft, config, args, kwargs, start, layout, hooks)
@@ -378,23 +379,52 @@ def _internals_asked(model, kwargs) -> list[str]:
     return [k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k, getattr(gen_config, k, False))]
 
 
-def _masked_inside(model, args, kwargs) -> bool:
-    """Whether the prompt's attention mask (passed, or as transformers infers it from pad tokens) masks a column
-    after an attended one. The loop drops masked columns; transformers still reads such a column's query (a
-    prompt ending in the pad token predicts its first token from it), which only the one-prompt path repeats."""
+def _prompt_mask(model, args, kwargs) -> torch.Tensor | None:
+    """The prompt's attention mask as transformers will use it (bool [rows, columns]): the one passed, else inferred
+    from pad tokens where transformers infers it (a pad token in the inputs that is not an EOS token); None where
+    every column is attended."""
     inputs = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
-        return False
+        return None
     mask = kwargs.get("attention_mask")
+    if mask is not None:
+        return mask.bool()
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    pad = kwargs.get("pad_token_id", getattr(gen_config, "pad_token_id", None))
+    eos = kwargs.get("eos_token_id", getattr(gen_config, "eos_token_id", None))
+    if pad is None:
+        return None
+    pad = int(torch.as_tensor(pad).flatten()[0])
+    if eos is not None and pad in torch.as_tensor(eos).flatten().tolist():
+        return None
+    return inputs != pad
+
+
+def _masked_inside(model, args, kwargs) -> bool:
+    """Whether the prompt's attention mask (`_prompt_mask`) masks a column after an attended one. The loop drops
+    masked columns; transformers still reads such a column's query (a prompt ending in the pad token predicts its
+    first token from it), which only the one-prompt path repeats."""
+    mask = _prompt_mask(model, args, kwargs)
     if mask is None:
-        gen_config = kwargs.get("generation_config") or model.generation_config
-        pad = kwargs.get("pad_token_id", getattr(gen_config, "pad_token_id", None))
-        if pad is None:
-            return False
-        mask = inputs != torch.as_tensor(pad, device=inputs.device).flatten()[0]
-    mask = mask.bool()
+        return False
     attended = mask.long().cummax(dim=-1).values.bool()
     return bool((attended & ~mask).any())
+
+
+def _check_padding(model, args, kwargs) -> None:
+    """A batch must be left-padded: a row whose last column is masked after attended ones (right padding) is
+    continued by transformers from that padding column's query, and differently by the same row alone, so no
+    output can equal both. (A masked column inside a prompt is fine: both skip it alike.)"""
+    mask = _prompt_mask(model, args, kwargs)
+    if mask is None:
+        return
+    right = [i for i, row in enumerate(mask.tolist()) if any(row) and not row[-1]]
+    if right:
+        raise SSDUsageError(
+            f"Rows {right} of this batch end in masked (padding) columns: the batch is right-padded, and a decoder-only "
+            "model continues each row from its last column. Pad on the left: tokenizer.padding_side = 'left' "
+            "(pipelines do so themselves)."
+        )
 
 
 def _check_batch_config(config: SSDConfig, rows: int) -> None:

@@ -337,6 +337,46 @@ def test_batched_refusals(pair, kw, phrase):
                         **kw)
 
 
+def test_a_right_padded_batch_is_refused_before_any_work(pair):
+    """transformers continues a right-padded row from its padding column's query, the row alone from its last
+    token: no output equals both, so such a batch gets an error naming the fix, before the target runs."""
+    target, close, _ = pair
+    ids, mask = padded_batch([4, 6], 9)
+    right_ids, right_mask = torch.zeros_like(ids), torch.zeros_like(mask)
+    for i, n in enumerate(mask.sum(1).tolist()):
+        right_ids[i, :n], right_mask[i, :n] = ids[i, ids.shape[1] - n:], 1
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(SSDUsageError, match=r"Rows \[0\] of this batch end in masked.*padding_side = 'left'"):
+            target.generate(right_ids, attention_mask=right_mask, assistant_model=close, max_new_tokens=4,
+                            ssd_config=SSDConfig(**QUIET))
+        with pytest.raises(SSDUsageError, match="right-padded"):  # the mask inferred from the pad token (0)
+            target.generate(right_ids, assistant_model=close, max_new_tokens=4, ssd_config=SSDConfig(**QUIET))
+    finally:
+        handle.remove()
+    assert not calls
+
+
+@pytest.mark.parametrize("name", ["sd_g3", "ssd_g4_b4"])
+def test_a_masked_column_inside_a_prompt_is_skipped_as_transformers_skips_it(pair, name):
+    target, _, noisy = pair
+    for seed in range(3):
+        ids, mask = padded_batch([6, 8, 7], seed)
+        width = ids.shape[1]
+        mask[1, width - 5] = 0  # inside row 1 (attended columns before and after it)
+        mask[2, width - 2] = 0
+        config, hooks = CONFIGS[name]
+        out = target.generate(ids, attention_mask=mask, assistant_model=noisy, do_sample=False, max_new_tokens=NEW,
+                              ssd_config=config, _ssd_hooks=hooks)
+        want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+        assert torch.equal(out, want), seed
+        for i in range(3):  # and each row alone, with its mask
+            alone = target.generate(ids[i : i + 1], attention_mask=mask[i : i + 1], do_sample=False,
+                                    max_new_tokens=NEW)
+            assert torch.equal(out[i], alone[0]), (seed, i)
+
+
 def _ends_the_first_row_early(target, ids, mask, **kw) -> int:
     """An EOS token: the first row's 5th greedy token (it ends by then; the others where they meet it)."""
     return int(target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **kw)[0, ids.shape[1] + 4])

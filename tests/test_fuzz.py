@@ -274,8 +274,10 @@ def test_generate_settings_are_served_or_rejected(models, num_beams, num_return_
     if with_draft:
         kw["assistant_model"] = drafts["close"]
     # batches are served (by hf_ssd's batched loop); the other settings are refused at any batch size
+    # A batch must be left-padded: rows ending in the pad token (0, the mask inferred from it) are right-padded.
+    right_padded = batch > 1 and int(prompt[0, -1]) == 0
     unsupported = (num_beams > 1 or num_return_sequences > 1 or penalty_alpha is not None
-                   or prompt_lookup is not None or not with_draft)
+                   or prompt_lookup is not None or not with_draft or right_padded)
     inputs = prompt.repeat(batch, 1)
     if unsupported:
         with pytest.raises(SSDUsageError):
