@@ -142,13 +142,12 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     # Every batch size runs hf_ssd's loop (loop/batch.py), one prompt included. One prompt runs transformers'
     # assisted loop with hf_ssd's candidate generator (loop/assisted.py) only for what the loop lacks: the
     # one-prompt settings (`_one_prompt_config`: deeper pipelines, eviction, the static draft, CUDA graphs), the
-    # static draft a CUDA draft gets by default (graphs: `_static_draft`), per-step attentions or hidden states,
-    # and a prompt whose mask has a hole (`_masked_inside`). The `loop` hook picks a path ("batch" or "assisted";
+    # static draft a CUDA draft gets by default (graphs: `_static_draft`), and a prompt whose mask has a hole
+    # (`_masked_inside`). The `loop` hook picks a path ("batch" or "assisted";
     # tests, benchmarks).
     route = (hooks or {}).get("loop")
     batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
                                                   and not _static_draft(config, draft)
-                                                  and not _internals_asked(model, kwargs)
                                                   and not _masked_inside(model, args, kwargs))
     _validate_call(model, draft, args, kwargs, batch_path)
     layout = resolve_layout(config.layout, model, draft)
@@ -331,7 +330,7 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
     if rows > 1 and kwargs.get("streamer") is not None:
         raise SSDUsageError(f"A streamer takes one sequence; this batch has {rows}. Remove streamer= (or "
                             "generate the prompts one at a time to stream each).")
-    if batch_path:
+    if rows > 1:
         asked = _internals_asked(model, kwargs)
         if asked:
             raise SSDUsageError(f"Batched SSD calls (here {rows} sequences) return sequences, scores and logits "
@@ -374,7 +373,8 @@ def _static_draft(config: SSDConfig, draft) -> bool:
 
 
 def _internals_asked(model, kwargs) -> list[str]:
-    """Per-step model internals asked for, which only the single-prompt path returns."""
+    """Per-step model internals asked for, which one prompt returns and batches refuse (a padded batch's padding
+    columns and finished rows hold what transformers' own loop computes there, which hf_ssd's never computes)."""
     gen_config = kwargs.get("generation_config") or model.generation_config
     return [k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k, getattr(gen_config, k, False))]
 

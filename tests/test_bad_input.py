@@ -39,6 +39,7 @@ MESSAGES = {
     "batch_keyword": "Batched SSD calls (here 3 sequences) return sequences, scores and logits only; remove "
                      "output_attentions",
     "no_draft": "ssd_config needs a draft model",
+    "right_padded": "end in masked (padding) columns: the batch is right-padded",
     "vocab": "Draft and target vocabularies differ (draft 100 vs target 96 tokens)",
     "eos": "Draft and target disagree on the end-of-sequence token",
     "encoder_decoder": "encoder-decoder models are not supported",
@@ -213,6 +214,12 @@ def test_batch_of_three_as_keyword_with_attentions(target, draft):
     with expect(SSDUsageError, MESSAGES["batch_keyword"]):
         target.generate(input_ids=torch.tensor([[5], [6], [7]]), assistant_model=draft, max_new_tokens=4,
                         ssd_config=SSDConfig(), output_attentions=True, return_dict_in_generate=True)
+
+
+def test_right_padded_batch(target, draft):
+    ids, mask = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with expect(SSDUsageError, MESSAGES["right_padded"]):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, ssd_config=SSDConfig())
 
 
 def test_ssd_config_without_assistant_model(target):

@@ -377,6 +377,36 @@ def test_a_masked_column_inside_a_prompt_is_skipped_as_transformers_skips_it(pai
             assert torch.equal(out[i], alone[0]), (seed, i)
 
 
+@pytest.mark.parametrize("name", ["auto", "sd_g3", "ssd_g4_b4", "ssd_g2_b2_thread"])
+def test_one_prompts_attentions_and_hidden_states_are_the_targets_own(name):
+    """One prompt in hf_ssd's loop with output_attentions and output_hidden_states: per step, the tensors of the
+    target's own greedy generate (the first step's over the whole prompt, then one query over the keys so far),
+    though its verify forwards read several candidates and keep rejected ones' columns masked in the cache."""
+    target = hf_ssd.enable(make_model(0, attn="eager"))  # SDPA returns no attention weights
+    target.generation_config.eos_token_id = None
+    config, hooks = CONFIGS[name]
+    kw = {"do_sample": False, "max_new_tokens": NEW, "return_dict_in_generate": True, "output_attentions": True,
+          "output_hidden_states": True}
+    rejected = 0
+    for seed, draft in enumerate((noisy_copy(target, 0.002), noisy_copy(target, 0.02))):
+        ids = padded_batch([5 + 3 * seed], seed)[0]
+        want = target.generate(ids, **kw)
+        out = target.generate(ids, assistant_model=draft, ssd_config=config, _ssd_hooks=hooks, **kw)
+        assert torch.equal(out.sequences, want.sequences) and out.ssd_stats.draft_path == "batched"
+        rejected += out.ssd_stats.proposed_tokens - out.ssd_stats.accepted_tokens
+        for name_, got, ref in (("attentions", out.attentions, want.attentions),
+                                ("hidden_states", out.hidden_states, want.hidden_states)):
+            assert len(got) == len(ref) == NEW, name_
+            for step, (layers, ref_layers) in enumerate(zip(got, ref)):
+                assert len(layers) == len(ref_layers) > 0
+                for x, y in zip(layers, ref_layers):
+                    assert x.shape == y.shape, (name_, step, x.shape, y.shape)
+                    # Equal to float32 rounding: eager attention takes its softmax in float32, and a verify's
+                    # forward reads several queries where the target's own reads one.
+                    torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=f"{name_} at step {step}")
+    assert name == "auto" or rejected > 0  # candidates were rejected: their masked columns were left out
+
+
 def _ends_the_first_row_early(target, ids, mask, **kw) -> int:
     """An EOS token: the first row's 5th greedy token (it ends by then; the others where they meet it)."""
     return int(target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **kw)[0, ids.shape[1] + 4])

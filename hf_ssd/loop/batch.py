@@ -16,7 +16,8 @@ calls `decode`. Each round, for the rows still generating:
 
 Rows accept different counts: both caches are `RaggedCache`s (rejected columns masked, explicit positions), so
 every row computes what it would compute alone. The output is padded as transformers pads a batch; with
-`return_dict_in_generate`, each step's scores and logits as transformers' loops return them (`_Kept`).
+`return_dict_in_generate`, each step's scores and logits as transformers' loops return them, and for one prompt
+its attentions and hidden states (`_Kept`).
 """
 
 from __future__ import annotations
@@ -109,9 +110,12 @@ class Row:
     tagged: int = 0
     tops: list = field(default_factory=list)
     ready: Branch | None = None
-    # Asked for by return_dict_in_generate: per round, the processed scores and raw logits of the tokens it kept.
+    # Asked for by return_dict_in_generate: per round, the processed scores and raw logits of the tokens it kept;
+    # one prompt's per-step attentions and hidden states (per kept token, a tuple over layers).
     scores: list = field(default_factory=list)
     logits: list = field(default_factory=list)
+    attentions: list = field(default_factory=list)
+    hidden_states: list = field(default_factory=list)
 
     def stats(self) -> dict:
         return {"index": self.index, "new_tokens": self.new, "rounds": self.rounds, "proposed": self.proposed,
@@ -462,6 +466,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         return decode_plain(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                             streamer, model_kwargs, plan.scheduler(len(rows)).costs, ssd_stats, eos)
     target = RaggedCache(model)
+    target.ask = keep.asked_of_the_model()
     # Sampling: the draft draws from its own generator, seeded from the caller's RNG, so that draws on the
     # speculator's thread never interleave with the target's on one generator (seeded inline runs repeat).
     gen = None
@@ -533,6 +538,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             _commit(target, drafter, live, rnd, fed)
             kept = _advance(live, new_tokens, stops, rnd.explored)
             keep(live, kept, scores, logits)
+            keep.internals(live, kept, target, fed, rnd.prefill)
             if streamer is not None:  # one row (batches refuse a streamer)
                 streamer.put(torch.tensor(live[0].ids[-kept[0]:]))
             with speculator.on_critical_path():
@@ -580,17 +586,26 @@ class _Kept:
     (`output_scores`) and raw logits (`output_logits`), float32, one [B, V] tensor per step as transformers' loops
     return them. A row that ended before the longest one gets, at each later step, scores that put all mass on the
     pad token it is padded with (transformers' own batched loop keeps computing finished rows; this loop drops
-    them)."""
+    them). One prompt (batches refuse them) also gets the target's attentions and hidden states per step, as
+    transformers' loops split them: the first step's over the whole prompt, then one query each."""
 
     scores: bool
     logits: bool
     pad: int
+    attentions: bool = False
+    hidden_states: bool = False
 
     @classmethod
     def of(cls, generation_config, pad: int) -> _Kept:
         asked = bool(generation_config.return_dict_in_generate)
         return cls(asked and bool(generation_config.output_scores), asked and bool(generation_config.output_logits),
-                   pad)
+                   pad, asked and bool(generation_config.output_attentions),
+                   asked and bool(generation_config.output_hidden_states))
+
+    def asked_of_the_model(self) -> dict:
+        """The target forward's keyword arguments for what is kept."""
+        return {k: True for k, on in (("output_attentions", self.attentions),
+                                      ("output_hidden_states", self.hidden_states)) if on}
 
     def __call__(self, live: list[Row], kept: list[int], scores: list[torch.Tensor], logits: torch.Tensor) -> None:
         """The round's kept tokens' scores and logits, per row (`kept`: its tokens appended this round)."""
@@ -602,9 +617,35 @@ class _Kept:
             if self.logits:
                 row.logits.append(logits[i, :n].float().clone())
 
+    def internals(self, live: list[Row], kept: list[int], target: RaggedCache, fed: list[int], prefill: bool) -> None:
+        """One prompt's attentions and hidden states of the round's kept tokens, from the verify's forward: the
+        token after query q (the row's unverified tokens, then its candidates) is step q - (fed - 1); its keys are
+        the row's attended columns up to the query's own, in order (rejected candidates' columns are masked)."""
+        if not (self.attentions or self.hidden_states) or target.internals is None:
+            return
+        row, n, p = live[0], kept[0], fed[0]
+        attentions, hidden = target.internals
+        shapes = [a.shape[-2] for a in attentions or () if a is not None] + [h.shape[1] for h in hidden or ()]
+        if not shapes:
+            return
+        columns = target.mask[0].nonzero().flatten()  # attended (rejected candidates are masked by now)
+        before = int(target.mask[0, : target.columns - shapes[0]].sum())  # attended before the verify's block
+        steps = [slice(0, p)] if prefill else [slice(p - 1 + j, p + j) for j in range(n)]
+        for q in steps:
+            if self.attentions:
+                row.attentions.append(tuple(
+                    None if a is None else a[:, :, q][..., columns[: before + q.stop]] for a in attentions))
+            if self.hidden_states:
+                row.hidden_states.append(tuple(h[:, q] for h in hidden))
+
     def outputs(self, rows: list[Row]) -> dict:
-        return {"scores": self._steps(rows, "scores") if self.scores else None,
-                "logits": self._steps(rows, "logits") if self.logits else None}
+        out = {"scores": self._steps(rows, "scores") if self.scores else None,
+               "logits": self._steps(rows, "logits") if self.logits else None}
+        if self.attentions:
+            out["attentions"] = tuple(rows[0].attentions)
+        if self.hidden_states:
+            out["hidden_states"] = tuple(rows[0].hidden_states)
+        return out
 
     def _steps(self, rows: list[Row], name: str) -> tuple[torch.Tensor, ...]:
         per_row = [torch.cat(getattr(r, name)) if getattr(r, name) else None for r in rows]

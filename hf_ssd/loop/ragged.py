@@ -41,6 +41,10 @@ class RaggedCache:
         # accepts j: `settle`), 0 for confirmed columns.
         self.tag: torch.Tensor | None = None
         self.forwards = 0
+        # `output_attentions` / `output_hidden_states` asked of each forward (one prompt's `return_dict_in_generate`);
+        # the last forward's (attentions, hidden_states) are kept in `internals`.
+        self.ask: dict = {}
+        self.internals: tuple | None = None
         # A sliding window counts columns, not positions: such a model needs each row's attended columns
         # contiguous (compacted after every round that masked some), or its windows would reach too far back.
         try:
@@ -108,8 +112,10 @@ class RaggedCache:
             kwargs["logits_to_keep"] = keep_last
         if self._pos_kw:
             kwargs["position_ids"] = positions
-        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs, **self.ask)
         self.forwards += 1
+        if self.ask:
+            self.internals = (getattr(out, "attentions", None), getattr(out, "hidden_states", None))
         if self.out_vocab is not None:
             out.logits = out.logits[..., : self.out_vocab]
         return out
