@@ -524,10 +524,13 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             t1 = time.perf_counter()
             feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             # The job measures the last round, decides the next round's option, then pre-drafts it if it is SSD
-            # (in the prefill round too: its job pre-drafts round 2 behind the prefill).
-            _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {},
-                    measure, max_length)
-            measure = None
+            # (in the prefill round too: its job pre-drafts round 2 behind the prefill). One prompt's AR and SD
+            # rounds have none: they measure and decide after their verify (`_measure_now`).
+            overlap = not single or rnd.prefill or rnd.option.kind == "ssd"
+            if overlap:
+                _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {},
+                        measure, max_length)
+                measure = None
             t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, feed, speculator.start)
             scores = process(live, rnd.candidates, logits)
@@ -545,8 +548,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _adopt(drafter, live, rnd)
             rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0, t3 - t2, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
-            measure = functools.partial(_measure, own, stats, rnd, list(live), [r.tops for r in live], sum(kept),
-                                        first, do_sample, calibration, ssd_config.record_timeline, own.job_budget)
+            done = functools.partial(_measure, own, stats, rnd, list(live), [r.tops for r in live], sum(kept),
+                                     first, do_sample, calibration, ssd_config.record_timeline, own.job_budget)
+            measure = done if overlap else _measure_now(measure, done)
             if not first and _size(len(live)) == _size(len(rows)):
                 rated[0] += sum(kept) / len(live)
                 rated[1] += rnd.draft_s + rnd.verify_s + rnd.overhead_s
@@ -858,6 +862,19 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
                       cached=_held(scheduler, option, drafter), limit=scheduler.config.max_outcomes)
 
     speculator.submit(job, hold=True)
+
+
+def _measure_now(before: Callable[[], None] | None, this: Callable[[], None]) -> None:
+    """A round without a job (one prompt's AR or SD round) measures itself, and the round before it that no job
+    measured, on the caller's thread once its verify is done; the next round then decides there too
+    (`_schedule`). Beside the verify, a job's Python slowed it on shared cores as much as a narrow SSD job did,
+    so that one prompt's SD and ssd(b=1) rounds measured alike (simulated on-core device: ssd(b=1) for 25-55%
+    of the round time at 0-25% hits, where the one-prompt path, which has no job in its SD rounds, ran SD only).
+    On the caller's thread they cost about 1 ms a round (the tiny pair's options), against 0.4 s a round on the
+    real pair. Returns None: nothing left to measure."""
+    if before is not None:
+        before()
+    this()
 
 
 def _job_budget(budget: int, share: int, live: int, room: int) -> int:
