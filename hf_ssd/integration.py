@@ -143,8 +143,7 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     # assisted loop with hf_ssd's candidate generator (loop/assisted.py) only for what the loop lacks: the
     # one-prompt settings (`_one_prompt_config`: deeper pipelines, eviction, the static draft, CUDA graphs), the
     # static draft a CUDA draft gets by default (graphs: `_static_draft`), and a prompt whose mask has a hole
-    # (`_masked_inside`). The `loop` hook picks a path ("batch" or "assisted";
-    # tests, benchmarks).
+    # (`_masked_inside`). The `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
     route = (hooks or {}).get("loop")
     batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
                                                   and not _static_draft(config, draft)

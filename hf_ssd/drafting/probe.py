@@ -3,8 +3,8 @@
 Some architectures build their own masks or positions and fail on a left-padded batch with a cache (e.g.
 CPM-Ant); that must be found before generation starts, not in the middle of it. The probe runs the real drafter
 path on a 6-token sequence (a trunk prefill, one tree step of two branches) and compares the left-padded branch
-with the trunk, which is the model alone. A failure refuses the draft; a disagreement (positions taken from the cache length
-rather than the position ids, as in TrOCR or GIT) only costs acceptance, so it is logged. A pass is remembered on
+with the trunk, which is the model alone. A failure refuses the draft; a disagreement (positions taken from the
+cache length rather than the position ids, as in TrOCR or GIT) only costs acceptance, so it is logged. A pass is remembered on
 disk (`<cache>/probes/`, off with HF_SSD_NO_PROFILE=1), so that later processes with the same draft skip it.
 """
 
