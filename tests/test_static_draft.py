@@ -256,10 +256,14 @@ def test_resolved_draft_path():
     assert SSDConfig(static_draft=True, cuda_graphs=False).resolved_draft_path(True) == (True, False)
 
 
-def test_one_prompt_with_a_static_draft_runs_the_one_prompt_path():
+def test_one_prompt_with_a_static_draft_runs_the_one_prompt_path(target, draft):
     """hf_ssd's loop has no static draft yet: one prompt whose draft resolves to it (a CUDA draft by default, or
     static_draft=True) runs the one-prompt path, which drafts with it (and graphs on CUDA)."""
     from types import SimpleNamespace
+
+    target.generate(prompt(0), max_new_tokens=8, do_sample=False, assistant_model=draft,
+                    ssd_config=SSDConfig(static_draft=True, layout="inline", hit_rate_warning=0.0))
+    assert hf_ssd.last_stats(target).draft_path == "static"
 
     from hf_ssd.integration import _static_draft
 
