@@ -541,7 +541,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             _commit(target, drafter, live, rnd, fed)
             kept = _advance(live, new_tokens, stops, rnd.explored)
             keep(live, kept, scores, logits)
-            keep.internals(live, kept, target, fed, rnd.prefill)
+            keep.internals(live, kept, target, fed, rnd)
             if streamer is not None:  # one row (batches refuse a streamer)
                 streamer.put(torch.tensor(live[0].ids[-kept[0]:]))
             with speculator.on_critical_path():
@@ -550,7 +550,11 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
             done = functools.partial(_measure, own, stats, rnd, list(live), [r.tops for r in live], sum(kept),
                                      first, do_sample, calibration, ssd_config.record_timeline, own.job_budget)
-            measure = done if overlap else _measure_now(measure, done)
+            if overlap:
+                measure = done
+            else:
+                _measure_now(measure, done)
+                measure = None
             if not first and _size(len(live)) == _size(len(rows)):
                 rated[0] += sum(kept) / len(live)
                 rated[1] += rnd.draft_s + rnd.verify_s + rnd.overhead_s
@@ -621,7 +625,7 @@ class _Kept:
             if self.logits:
                 row.logits.append(logits[i, :n].float().clone())
 
-    def internals(self, live: list[Row], kept: list[int], target: RaggedCache, fed: list[int], prefill: bool) -> None:
+    def internals(self, live: list[Row], kept: list[int], target: RaggedCache, fed: list[int], rnd: Round) -> None:
         """One prompt's attentions and hidden states of the round's kept tokens, from the verify's forward: the
         token after query q (the row's unverified tokens, then its candidates) is step q - (fed - 1); its keys are
         the row's attended columns up to the query's own, in order (rejected candidates' columns are masked)."""
@@ -629,18 +633,16 @@ class _Kept:
             return
         row, n, p = live[0], kept[0], fed[0]
         attentions, hidden = target.internals
-        shapes = [a.shape[-2] for a in attentions or () if a is not None] + [h.shape[1] for h in hidden or ()]
-        if not shapes:
-            return
         columns = target.mask[0].nonzero().flatten()  # attended (rejected candidates are masked by now)
-        before = int(target.mask[0, : target.columns - shapes[0]].sum())  # attended before the verify's block
-        steps = [slice(0, p)] if prefill else [slice(p - 1 + j, p + j) for j in range(n)]
+        block = p + len(rnd.candidates[0])  # the verify's columns (one row: no padding)
+        before = int(target.mask[0, : target.columns - block].sum())  # attended before them
+        steps = [slice(0, p)] if rnd.prefill else [slice(p - 1 + j, p + j) for j in range(n)]
         for q in steps:
             if self.attentions:
                 row.attentions.append(tuple(
-                    None if a is None else a[:, :, q][..., columns[: before + q.stop]] for a in attentions))
+                    None if a is None else a[:, :, q][..., columns[: before + q.stop]] for a in attentions or ()))
             if self.hidden_states:
-                row.hidden_states.append(tuple(h[:, q] for h in hidden))
+                row.hidden_states.append(tuple(h[:, q] for h in hidden or ()))
 
     def outputs(self, rows: list[Row]) -> dict:
         out = {"scores": self._steps(rows, "scores") if self.scores else None,
@@ -871,7 +873,7 @@ def _measure_now(before: Callable[[], None] | None, this: Callable[[], None]) ->
     so that one prompt's SD and ssd(b=1) rounds measured alike (simulated on-core device: ssd(b=1) for 25-55%
     of the round time at 0-25% hits, where the one-prompt path, which has no job in its SD rounds, ran SD only).
     On the caller's thread they cost about 1 ms a round (the tiny pair's options), against 0.4 s a round on the
-    real pair. Returns None: nothing left to measure."""
+    real pair."""
     if before is not None:
         before()
     this()
