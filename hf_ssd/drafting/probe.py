@@ -33,7 +33,7 @@ _probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> onc
 # fault planted by a test, CUDA out of memory) is not about the architecture and propagates unchanged.
 _SHAPE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError)
 PROBE_TOP = 256  # top probabilities kept per position in the probe (`_gap`)
-STEP_KIND = "one cached token, draft_matmul auto"  # what a remembered step_s timed; others are not reused
+STEP_KIND = "the tree step: two rows, one cached token each, draft_matmul auto"  # what a remembered step_s timed; others are not reused
 
 
 def _verdict_path(model) -> Path | None:
@@ -52,8 +52,8 @@ def _verdict_path(model) -> Path | None:
 @torch.no_grad()
 def probe_draft(model) -> None:
     """Run the probe once per draft model per process; a draft that passed it in an earlier process (same
-    fingerprint and versions, `_verdict_path`) skips it: its 4 forwards cost the real pair's first call
-    about 0.7 s on 2 CPU cores, 3% of a 48-token call."""
+    fingerprint and versions, `_verdict_path`) skips it: its 2 forwards cost the real pair's first call
+    about 0.4 s on 2 CPU cores, under 2% of a 48-token call."""
     if model in _probed:
         return
     path = _verdict_path(model)
@@ -72,7 +72,7 @@ def probe_draft(model) -> None:
 
 
 def _run_probe(model) -> None:
-    """The drafter's batched step against the model alone, and a trunk step timed, all with the default products
+    """The drafter's batched step against the model alone, timed, with the default products
     (`draft_matmul` "auto", as generation runs the draft): on the real pair's draft the stock products made the
     probe 1.75 s of a 48-token first call of ~25 s."""
     with draft_matmul(model, "auto"):
@@ -89,7 +89,9 @@ def _run_probe(model) -> None:
         try:
             drafter.sync(seq, record_from=3)
             tree = drafter.start_tree(4, outcomes)
+            start = time.perf_counter()
             drafted = drafter.tree_steps(tree, outcomes, 0, [], lambda: False)  # one step: each feeds its bonus
+            seconds = time.perf_counter() - start  # `step_seconds`
         except _SHAPE_ERRORS as exc:
             raise UnsupportedDraftError(
                 f"SSD needs a draft model whose KV cache it can crop and batch; {type(model).__name__} fails on the "
@@ -99,7 +101,6 @@ def _run_probe(model) -> None:
             ) from exc
         padded = next(state for state, _ in drafted if state.outcome.accepted == 0)
         worst = _gap(padded.top[4], drafter.top[4])
-        seconds = _timed_step(drafter, seq)
     if worst > 0.05:
         logger.warning(
             "hf_ssd: the draft %s computes branch tokens differently in a batch than alone (probability gap %.2f); "
@@ -117,20 +118,11 @@ def _gap(branch, trunk) -> float:
     return max(abs(v - at[i]) if i in at else max(0.0, v - floor) for v, i in zip(bv.tolist(), bi.tolist()))
 
 
-def _timed_step(drafter: Drafter, seq: list[int]) -> float:
-    """Seconds of one draft trunk step (one new token on a cache) as generation runs it: the second of two on a
-    trunk holding `seq`, since the first pays one-time costs. A forward of the reference kind (6 tokens, no cache)
-    took 0.19 s on the real pair's draft against 0.06 s for a real step, which held the warm-up back three times
-    too long."""
-    extra = seq[:2]
-    drafter.sync(seq + extra[:1])
-    start = time.perf_counter()
-    drafter.sync(seq + extra)
-    return time.perf_counter() - start
-
-
 def step_seconds(model) -> float | None:
-    """Seconds of one draft step as its probe timed it (`_timed_step`): the warm-up's view of a draft step before
-    any drafting is measured (schedule.Scheduler.warmup_cost)."""
+    """Seconds of one draft step as its probe timed it: the warm-up's view of a draft step before any drafting is
+    measured (schedule.Scheduler.warmup_cost). The probe's tree step (two rows of one cached token each) stands
+    for it: a draft forward is bound by its weights (CPU) or its launches (GPU), not by two rows. On the real
+    pair's draft, 2 CPU threads, it took 0.151 s against 0.147-0.160 s for a one-token step timed apart, which
+    cost the probe two forwards more (0.31 s of 0.71; `git log -S _timed_step`)."""
     seconds = _probed.get(model)
     return seconds if isinstance(seconds, float) else None
