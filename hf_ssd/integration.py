@@ -142,12 +142,12 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     # Every batch size runs hf_ssd's loop (loop/batch.py), one prompt included. One prompt runs transformers'
     # assisted loop with hf_ssd's candidate generator (loop/assisted.py) only for what the loop lacks: the
     # one-prompt settings (`_one_prompt_config`: deeper pipelines, eviction, the static draft, CUDA graphs), the
-    # static draft a CUDA draft gets by default (graphs: `_static_draft`), and a prompt whose mask has a hole
-    # (`_masked_inside`). The `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
+    # static draft a CUDA draft gets by default (graphs: `_static_draft`), and a prompt ending in a masked column
+    # (`_right_padded`). The `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
     route = (hooks or {}).get("loop")
     batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
                                                   and not _static_draft(config, draft)
-                                                  and not _masked_inside(model, args, kwargs))
+                                                  and not _right_padded(model, args, kwargs))
     _validate_call(model, draft, args, kwargs, batch_path)
     layout = resolve_layout(config.layout, model, draft)
     if batch_path:
@@ -399,25 +399,22 @@ def _prompt_mask(model, args, kwargs) -> torch.Tensor | None:
     return inputs != pad
 
 
-def _masked_inside(model, args, kwargs) -> bool:
-    """Whether the prompt's attention mask (`_prompt_mask`) masks a column after an attended one. The loop drops
-    masked columns; transformers still reads such a column's query (a prompt ending in the pad token predicts its
-    first token from it), which only the one-prompt path repeats."""
+def _right_padded(model, args, kwargs) -> list[int]:
+    """The rows whose last column the prompt's attention mask (`_prompt_mask`) masks after an attended one (right
+    padding, or a prompt ending in the pad token). transformers continues such a row from that masked column's
+    query; the loop drops masked columns, which is exact for a masked column inside a prompt (both skip it), not
+    for a last one."""
     mask = _prompt_mask(model, args, kwargs)
     if mask is None:
-        return False
-    attended = mask.long().cummax(dim=-1).values.bool()
-    return bool((attended & ~mask).any())
+        return []
+    return [i for i, row in enumerate(mask.tolist()) if any(row) and not row[-1]]
 
 
 def _check_padding(model, args, kwargs) -> None:
-    """A batch must be left-padded: a row whose last column is masked after attended ones (right padding) is
-    continued by transformers from that padding column's query, and differently by the same row alone, so no
-    output can equal both. (A masked column inside a prompt is fine: both skip it alike.)"""
-    mask = _prompt_mask(model, args, kwargs)
-    if mask is None:
-        return
-    right = [i for i, row in enumerate(mask.tolist()) if any(row) and not row[-1]]
+    """A batch must be left-padded: a right-padded row (`_right_padded`) is continued by transformers from its
+    padding column's query, and differently by the same row alone, so no output can equal both. (One such prompt
+    alone runs the one-prompt path, which repeats transformers.)"""
+    right = _right_padded(model, args, kwargs)
     if right:
         raise SSDUsageError(
             f"Rows {right} of this batch end in masked (padding) columns: the batch is right-padded, and a decoder-only "

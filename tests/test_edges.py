@@ -191,6 +191,22 @@ def test_masked_prompt_positions(target, close_draft):
     assert torch.equal(with_ssd(target, close_draft, prompt, attention_mask=mask, max_new_tokens=12), ref)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_one_prompts_masked_columns_take_the_loop_unless_it_ends_in_one(target, close_draft, seed):
+    """One prompt with a masked column inside runs hf_ssd's loop, which skips it as transformers does; one whose
+    last column is masked (it ends in the pad token) runs the one-prompt path, since transformers continues it
+    from that column's query. Both equal the target alone, over configs whose rounds reject and hit."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, VOCAB, (1, 9), generator=g)
+    prompt[0, 3] = prompt[0, 5] = 0  # the pad token: masked where transformers infers the mask
+    for ends_masked in (False, True):
+        ids = torch.cat([prompt, torch.zeros(1, 1, dtype=torch.long)], dim=1) if ends_masked else prompt
+        for config in (SSDConfig(gamma=4, **QUIET), SSDConfig(gamma=3, schedule="fixed", fanout_budget=4, **QUIET)):
+            out = with_ssd(target, close_draft, ids, config=config, max_new_tokens=12, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, alone(target, ids, max_new_tokens=12)), (seed, ends_masked)
+            assert (out.ssd_stats.draft_path == "batched") == (not ends_masked), out.ssd_stats.draft_path
+
+
 # ----- stopping criteria ----------------------------------------------------------------------------------------
 
 
