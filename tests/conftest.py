@@ -91,6 +91,16 @@ def random_draft():
     return make_model(123)
 
 
+def slow_cases(cases, slow) -> list:
+    """`cases` for `pytest.mark.parametrize`, those named in `slow` marked slow: a feature's chi-square tests
+    (20-45 s each) keep one or two cases in the default suite, whose time the guide holds near 15 minutes; the
+    rest, whose mechanism another kept case or the batched sampling tests (tests/test_batch.py) also cover, run
+    with --runslow or HF_SSD_SLOW=1."""
+    unknown = set(slow) - set(cases)
+    assert not unknown, f"no such cases: {sorted(unknown)}"
+    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run slow tests (full soak, real pair)")
 

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from conftest import slow_cases
 from test_sampling import (
     GEN,
     PROMPT,
@@ -227,7 +228,7 @@ def test_greedy_identity_switching_with_confidence_options(target, draft, monkey
     assert any(",c=" in u for u in used) and any(u.startswith("ssd") for u in used), used
 
 
-@pytest.mark.parametrize("case", ["stop0.5", "switching"])
+@pytest.mark.parametrize("case", slow_cases(["stop0.5", "switching"], ["switching"]))
 def test_sampling_distribution_of_confidence_stopped_sd(pair, monkeypatch, case):  # noqa: F811
     target, draft = pair
     rng = random.Random(3)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, noisy_copy
+from conftest import make_model, noisy_copy, slow_cases
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -130,7 +130,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Default suite: plain (inline), plain_thread (a job beside the verify), calibrated_saguaro and fallback_ngram; the
+# batched sampling tests run Saguaro, the n-gram fallback and SD per row through the same loop.
+@pytest.mark.parametrize("case", slow_cases(CASES, ["saguaro", "saguaro0", "calibrated", "fallback_sd",
+                                                     "fallback_short", "fallback_ar"]))
 def test_sampling_matches_target_distribution(pair, case):
     target, draft = pair
     joint = exact_joint(target)

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from conftest import make_model, noisy_copy
+from conftest import make_model, noisy_copy, slow_cases
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
 
@@ -519,7 +519,7 @@ SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("case", list(SAMPLING))
+@pytest.mark.parametrize("case", slow_cases(SAMPLING, ["static_saguaro", "static_short_thread"]))
 def test_sampling_matches_target_distribution(case):
     """Same statistics as tests/test_sampling.py: false-fail probability < 1e-4 per case (Bonferroni)."""
     from test_sampling import GEN, PROMPT, L, N, assert_matches_target, exact_joint, sampling_pair
