@@ -161,7 +161,7 @@ def test_greedy_identical_to_target_with_the_transposed_product(target, draft, c
     assert counted[0] > 0
 
 
-@pytest.mark.slow  # the transposed product changes only q, which the chi-square tests of q's use cover
+@pytest.mark.slow  # the product changes only the draft's q; the kept chi-square tests hold for any q
 def test_sampling_matches_target_with_the_transposed_product(counted):
     target, draft = sampling_pair()
     joint = exact_joint(target)
