@@ -33,7 +33,8 @@ _probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> onc
 # fault planted by a test, CUDA out of memory) is not about the architecture and propagates unchanged.
 _SHAPE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError)
 PROBE_TOP = 256  # top probabilities kept per position in the probe (`_gap`)
-STEP_KIND = "the tree step: two rows, one cached token each, draft_matmul auto"  # what a remembered step_s timed; others are not reused
+# What a remembered step_s timed; records of another kind are not reused.
+STEP_KIND = "the tree step: two rows, one cached token each, draft_matmul auto"
 
 
 def _verdict_path(model) -> Path | None:
