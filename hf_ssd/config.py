@@ -58,7 +58,8 @@ class SSDConfig:
             bounds how many branches for later rounds are kept.
         eviction: `"lru"` (least recently inserted or used first) or `"probability"` (least likely outcome chain
             first) when the cache is full. Acts only with `pipeline_depth` > 1: at depth 1 a round's entries are
-            bounded by `cache_size` (the outcomes per round are), so the cache never overflows.
+            bounded by `cache_size` (the outcomes per round are), so the cache never overflows; "lru" there is
+            refused.
         pipeline_depth: how many rounds ahead the speculator may pre-draft. 1: only branches for the outcome of
             the round being verified. d > 1: once those are drafted and the outcome has not arrived, it predicts
             the outcomes of the most likely branches and pre-drafts the round after (and so on to depth d); a hit
@@ -224,6 +225,10 @@ class SSDConfig:
                                  "shapes. Remove static_draft=False (or set cuda_graphs=False).")
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("draft_matmul", self.draft_matmul, DRAFT_MATMULS)
+        if self.eviction != "probability" and self.pipeline_depth == 1:
+            raise SSDConfigError(f"SSDConfig.eviction={self.eviction!r} acts only with pipeline_depth > 1: at depth 1 "
+                                 "a round's entries never exceed cache_size, so nothing is evicted. Set "
+                                 "pipeline_depth=2 or more, or leave eviction at its default.")
         if self.pipeline_depth > 1:
             if self.layout == "inline":
                 raise SSDConfigError("SSDConfig.pipeline_depth > 1 needs an overlapping layout: with layout='inline' "

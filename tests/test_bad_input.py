@@ -96,6 +96,7 @@ CONFIG_CASES = [
     ({"draft_matmul": "fast"}, "SSDConfig.draft_matmul must be one of ['auto', 'transposed', 'stock']"),
     ({"eviction": "fifo"}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
     ({"eviction": None}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
+    ({"eviction": "lru"}, "SSDConfig.eviction='lru' acts only with pipeline_depth > 1"),
     ({"fallback": "beam"}, "SSDConfig.fallback must be one of ['sd', 'short', 'ar', 'ngram']"),
     ({"fallback_gamma": 0}, "SSDConfig.fallback_gamma must be between 1 and 4"),
     ({"gamma": 4, "fallback_gamma": 5}, "SSDConfig.fallback_gamma must be between 1 and 4"),

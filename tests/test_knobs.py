@@ -5,6 +5,7 @@ counts what the caller waited for, a first call's set-up included."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -60,14 +61,19 @@ def test_fallback_gamma_changes_what_a_miss_drafts(target, random_draft, loop):
 
 
 # ----- eviction ----------------------------------------------------------------------------------------------------
-def test_eviction_never_acts_at_depth_one(target, draft):
-    """At depth 1 a round's outcomes are capped at cache_size, so a full cache never has to evict (the docs say
-    eviction acts only with pipeline_depth > 1; tests/test_depth.py shows it acting there)."""
+def test_eviction_never_acts_at_depth_one_so_lru_there_is_refused(target, draft):
+    """At depth 1 a round's outcomes are capped at cache_size, so the one-prompt path's cache (the one that can
+    evict) never has to: an eviction policy there would be a knob that never acts, and "lru" without
+    pipeline_depth > 1 is refused (tests/test_depth.py shows eviction acting at depth 2 and 3)."""
     for size in (1, 2, 3):
-        config = SSDConfig(cache_size=size, fanout_budget=8, schedule="fixed", layout="inline", eviction="lru", **QUIET)
-        target.generate(PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=16, ssd_config=config)
+        config = SSDConfig(cache_size=size, fanout_budget=8, schedule="fixed", layout="inline", **QUIET)
+        target.generate(PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=16, ssd_config=config,
+                        _ssd_hooks={"loop": "assisted"})
         stats = hf_ssd.last_stats(target)
-        assert stats.branches_drafted > 0 and stats.evictions == 0
+        assert stats.draft_path != "batched" and stats.branches_drafted > 0 and stats.evictions == 0
+    with pytest.raises(SSDConfigError, match=re.escape("SSDConfig.eviction='lru' acts only with pipeline_depth > 1")):
+        SSDConfig(eviction="lru")
+    assert SSDConfig(eviction="lru", pipeline_depth=2).eviction == "lru"
 
 
 # ----- a draft with a wrapped forward ---------------------------------------------------------------------------------
