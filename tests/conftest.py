@@ -95,10 +95,11 @@ def slow_cases(cases, slow) -> list:
     """`cases` for `pytest.mark.parametrize`, those named in `slow` marked slow: a feature's chi-square tests
     (20-45 s each) keep one or two cases in the default suite, whose time the guide holds near 15 minutes; the
     rest, whose mechanism another kept case or the batched sampling tests (tests/test_batch.py) also cover, run
-    with --runslow or HF_SSD_SLOW=1."""
+    with --runslow or HF_SSD_SLOW=1. A tuple case is one value per argument name."""
     unknown = set(slow) - set(cases)
     assert not unknown, f"no such cases: {sorted(unknown)}"
-    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow) if c in slow else c
+            for c in cases]
 
 
 def pytest_addoption(parser):

@@ -19,7 +19,7 @@ import pytest
 import test_sampling
 import torch
 import transformers as tf
-from conftest import noisy_copy
+from conftest import noisy_copy, slow_cases
 from test_sampling import GEN, assert_matches_target, exact_joint
 
 import hf_ssd
@@ -297,8 +297,7 @@ SAMPLING = [("gemma2", "inline", None), ("bloom", "inline", None), ("mistral+sw"
 
 # The families' own caches are proven by their greedy tests; by default one sampled family (a draft vocabulary
 # the target pads) runs, the others with HF_SSD_SLOW=1.
-@pytest.mark.parametrize(("family", "layout", "d_vocab"),
-                         [pytest.param(*case, marks=pytest.mark.slow) for case in SAMPLING[:3]] + [SAMPLING[3]],
+@pytest.mark.parametrize(("family", "layout", "d_vocab"), slow_cases(SAMPLING, SAMPLING[:3]),
                          ids=["gemma2", "bloom", "mistral_sw-thread", "llama_padded_vocab"])
 def test_sampling_matches_target_distribution(family, layout, d_vocab):
     """A window of 3 tokens is passed inside the 6-token sequences; Bloom drafts with ALiBi; a draft lacking the
