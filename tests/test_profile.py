@@ -271,16 +271,21 @@ def test_a_passed_probe_is_remembered_across_processes(profiles_on, monkeypatch)
     assert len(runs) == 1 and probe.step_seconds(model) == pytest.approx(step)
     probe.probe_draft(other)  # other weights: its own probe
     assert len(runs) == 2
-    # A verdict saved by an earlier version timed another kind of forward: its pass is reused, its step is not.
+    # A verdict saved by an earlier version timed another kind of forward: the probe runs again, once, and its
+    # record is rewritten with this version's step.
     saved = next(p for p in (profiles_on.parent / "probes").iterdir() if json.loads(p.read_text())["step_s"] == step)
     saved.write_text(json.dumps({"passed": True, "step_s": 0.5}))
     probe._probed.clear()
     probe.probe_draft(model)
-    assert len(runs) == 2 and probe.step_seconds(model) is None
+    assert len(runs) == 3 and probe.step_seconds(model) not in (None, 0.5)
+    assert json.loads(saved.read_text())["step"] == probe.STEP_KIND
+    probe._probed.clear()
+    probe.probe_draft(model)
+    assert len(runs) == 3 and probe.step_seconds(model) == pytest.approx(json.loads(saved.read_text())["step_s"])
     monkeypatch.setenv(profile.NO_PROFILE_ENV, "1")
     probe._probed.clear()
     probe.probe_draft(model)
-    assert len(runs) == 3
+    assert len(runs) == 4
 
 
 # ----- fresh processes and the command line ---------------------------------------------------------------------
