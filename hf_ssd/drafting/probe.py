@@ -28,7 +28,7 @@ from .matmul import draft_matmul
 
 logger = logging.getLogger("hf_ssd")
 
-_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> once it passed: its step's seconds, or True
+_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> once it passed: its step's seconds
 # Errors an architecture raises on inputs it cannot take (shapes, masks, kwargs). Anything else (an interrupt, a
 # fault planted by a test, CUDA out of memory) is not about the architecture and propagates unchanged.
 _SHAPE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError)
@@ -129,5 +129,4 @@ def step_seconds(model) -> float | None:
     for it: a draft forward is bound by its weights (CPU) or its launches (GPU), not by two rows. On the real
     pair's draft, 2 CPU threads, it took 0.151 s against 0.147-0.160 s for a one-token step timed apart, which
     cost the probe two forwards more (0.31 s of 0.71; `git log -S _timed_step`)."""
-    seconds = _probed.get(model)
-    return seconds if isinstance(seconds, float) else None
+    return _probed.get(model)
