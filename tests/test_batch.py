@@ -1225,6 +1225,29 @@ def test_a_job_reuses_the_last_jobs_buffers_and_drafts_the_drafts_own_branches(p
         assert b.tokens == _draft_greedy(draft, context, gamma)[0], (b.row, b.outcome, b.rank)
 
 
+def test_an_adoption_is_copied_at_the_caches_next_use_with_the_rows_that_stayed(pair):
+    """Rows adopting branches (`BatchDrafter.adopt`) are copied only when the draft's cache is next used; rows
+    that leave before that (`select`) are not copied. The cache then holds exactly what copying at once, then
+    dropping the rows, holds. Fails if a pending adoption ignores a row's leaving or is never copied."""
+    from hf_ssd.speculation.batch import Tree, speculate
+
+    _, drafter, rows, candidates = _job_setup(pair, lengths_for(6, 5), 5, 3)
+    tree = Tree()
+    speculate(drafter, rows, candidates, 3, 4, 0.6, lambda row, o: True, tree, lambda: False)
+    taken = {b.row: i for i, b in enumerate(tree.branches)}  # a branch for every row that has one
+    sources = [(tree.cache, taken[r]) if r in taken and r % 2 else (drafter.kv, r) for r in range(len(rows))]
+    want = drafter.kv.gather(sources)
+    want.select([0, 3, 5])
+    drafter.adopt(sources)
+    drafter.select([0, 3, 5])
+    assert drafter._adopting is not None  # nothing copied yet
+    got = drafter.kv
+    assert drafter._adopting is None
+    assert torch.equal(got.mask, want.mask) and torch.equal(got.tag, want.tag)
+    for a, b in zip(got.cache.layers, want.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_a_roomy_layer_writes_in_place_and_grows_past_its_room():
     """A job copy's layer (`_RoomyLayer`) must hold exactly what a `DynamicLayer` given the same updates holds,
     writing into its buffer while there is room and concatenating past it."""

@@ -577,7 +577,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     if decoding is not None:
         _measure_call(call_costs, rows, time.perf_counter() - decoding, stats.explored_seconds, rated)
     stats.rows = [r.stats() for r in rows]
-    stats.draft_forwards = drafter.kv.forwards
+    stats.draft_forwards = drafter.forwards
     width = max(len(r.ids) for r in rows)
     sequences = torch.tensor([r.ids + [pad] * (width - len(r.ids)) for r in rows], dtype=input_ids.dtype,
                              device=input_ids.device)
@@ -983,7 +983,7 @@ def _adopt(drafter: BatchDrafter, live: list[Row], rnd: Round) -> None:
         rnd.found[i] = b
         sources.append((tree.cache, b) if b is not None else (drafter.kv, i))
     if any(b is not None for b in rnd.found):
-        drafter.kv = drafter.kv.gather(sources)
+        drafter.adopt(sources)  # copied at the next use of the draft's cache, usually the next job's
         for row, b in zip(live, rnd.found):
             if b is not None:
                 row.ready = tree.take(b)
@@ -997,9 +997,9 @@ def _leave(live: list[Row], target: RaggedCache, drafter: BatchDrafter) -> list[
         live = [live[i] for i in keep]
         if live:
             target.select(keep)
-            drafter.kv.select(keep)
+            drafter.select(keep)
     target.maybe_compact()
-    drafter.kv.maybe_compact()
+    drafter.compact()
     return live
 
 
