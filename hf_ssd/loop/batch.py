@@ -727,18 +727,15 @@ def _schedule(scheduler: Scheduler, live: list[Row], first: bool, decided, max_l
         option, prediction, explored = decided
     else:
         option, prediction, explored = _decide(scheduler, live, max_length)
-    if option.kind == "ar":
+    lefts = [max(0, max_length - len(r.ids) - 1) for r in live]
+    hits = [option.kind == "ssd" and r.ready is not None and left > 0 for r, left in zip(live, lefts)]
+    if option.kind == "ar" or all(hits):
         now = 0
     elif option.kind == "sd":
         now = option.gamma
-    else:
+    else:  # the model's miss fallback, priced only where a row missed (0.1 ms a round)
         now = _fallback_length(scheduler, option, config)
-    limits, hits = [], []
-    for r in live:
-        left = max(0, max_length - len(r.ids) - 1)
-        branch = r.ready if option.kind == "ssd" else None
-        hits.append(branch is not None and left > 0)
-        limits.append(min(len(branch.tokens) if hits[-1] else now, option.gamma, left))
+    limits = [min(len(r.ready.tokens) if hit else now, option.gamma, left) for r, hit, left in zip(live, hits, lefts)]
     return Round(option, prediction, explored, limits, prefill=first, hits=hits)
 
 
