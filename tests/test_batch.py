@@ -1146,7 +1146,7 @@ def _job_setup(pair, lengths, seed, gamma, do_sample=False):
     drafter = BatchDrafter(noisy, target.config.vocab_size, do_sample, None, pad=0, top_k=17,
                            generator=torch.Generator().manual_seed(seed))
     drafter.prefill(rows)
-    for r in rows:  # a first new token each, as the target's prefill yields: rows without candidates read two
+    for r in rows:  # a first new token each, as the target's prefill yields
         r.real.append(int(r.real[-1]) % 50 + 3)
         r.ids.append(r.real[-1])
     n = [gamma if i % 3 else 0 for i in range(len(rows))]
@@ -1199,6 +1199,32 @@ def test_every_branch_holds_the_drafts_own_continuation_of_its_outcome(pair, see
             assert ranked == rows[i].tops[len(c)][1][: len(ranked)].tolist()
             tokens, probs = _draft_greedy(draft, rows[i].real + c, 1)
             assert ranked[0] == tokens[0] and float(rows[i].tops[len(c)][0][0]) == pytest.approx(probs[0], abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_prefill_rounds_job_ranks_the_first_token_from_the_draft_prefill(pair, seed):
+    """The draft's prompt prefill reads every row's whole prompt and keeps the draft's top tokens after it, from
+    which the prefill round's job ranks the first token (the bonus) without a step of its own: no late branch,
+    each branch of outcome (0, bonus) holding gamma tokens of the draft's own continuation of the prompt and the
+    bonus. Fails if the prefill leaves a token unread, keeps the wrong tops, or a branch drafts at a wrong place."""
+    from hf_ssd.drafting.batch import BatchDrafter
+    from hf_ssd.speculation.batch import Tree, speculate
+
+    target, _, draft = pair
+    gamma = 3
+    ids, mask = padded_batch(lengths_for(5, seed), seed)
+    rows = loop._rows(ids, mask)
+    drafter = BatchDrafter(draft, target.config.vocab_size, False, None, pad=0, top_k=17)
+    assert drafter.prefill(rows) == sum(len(r.real) for r in rows)
+    for r in rows:
+        assert r.draft_fed == len(r.real) and len(r.tops) == 1
+        assert int(r.tops[0][1][0]) == _draft_greedy(draft, r.real, 1)[0][0]
+    tree = Tree()
+    speculate(drafter, rows, [[] for _ in rows], gamma, 4, 0.6, lambda row, o: True, tree, lambda: False)
+    assert tree.branches and all(b.rank is None for b in tree.branches)
+    for b in map(tree.take, range(len(tree.branches))):
+        assert b.outcome.accepted == 0
+        assert b.tokens == _draft_greedy(draft, rows[b.row].real + [b.outcome.bonus], gamma)[0], (b.row, b.outcome)
 
 
 def test_a_job_reuses_the_last_jobs_buffers_and_drafts_the_drafts_own_branches(pair):
@@ -1282,8 +1308,14 @@ def test_a_confidence_stop_ends_each_rows_candidates_after_its_first_unsure_toke
 
     target, _, noisy = pair
     ids, mask = padded_batch(lengths_for(6, seed), seed)
+    rows = loop._rows(ids, mask)
+    drafter = BatchDrafter(noisy, target.config.vocab_size, False, None, pad=0, top_k=4)
+    drafter.prefill(rows)
+    for r in rows:  # a first new token each, as the target's prefill yields
+        r.real.append(int(r.real[-1]) % 50 + 3)
+        r.ids.append(r.real[-1])
     n = [6, 6, 0, 6, 3, 6]
-    alone = [_draft_greedy(noisy, [int(t) for t, m in zip(ids[i], mask[i]) if m], k) for i, k in enumerate(n)]
+    alone = [_draft_greedy(noisy, r.real, k) for r, k in zip(rows, n)]
 
     def cut(probs: list[float], k: int, stop: float) -> int:
         return next((j + 1 for j, q in enumerate(probs[:k]) if q < stop), k)
@@ -1295,9 +1327,6 @@ def test_a_confidence_stop_ends_each_rows_candidates_after_its_first_unsure_toke
                key=lambda c: len({cut(p, k, c) for (_, p), k in zip(alone, n) if k}))
     lengths = [cut(p, k, stop) for (_, p), k in zip(alone, n)]
     assert len({m for m, k in zip(lengths, n) if k}) >= 2, lengths  # rows stop at different places
-    rows = loop._rows(ids, mask)
-    drafter = BatchDrafter(noisy, target.config.vocab_size, False, None, pad=0, top_k=4)
-    drafter.prefill(rows)
     candidates, _ = drafter.propose(rows, n, stop=stop)
     drafted = max(lengths)
     for i, (row, (tokens, probs), m) in enumerate(zip(rows, alone, lengths)):
@@ -1306,7 +1335,7 @@ def test_a_confidence_stop_ends_each_rows_candidates_after_its_first_unsure_toke
             continue
         assert len(row.tops) == m + 1 and row.tagged == drafted - 1
         if m < drafted:  # the batch drafted past this row's stop: the next token's distribution is known
-            nxt = _draft_greedy(noisy, [int(t) for t, v in zip(ids[i], mask[i]) if v] + tokens[:m], 1)[1][0]
+            nxt = _draft_greedy(noisy, row.real + tokens[:m], 1)[1][0]
             assert float(row.tops[m][0][0]) == pytest.approx(nxt, abs=1e-5)
         else:
             assert row.tops[m] is None

@@ -148,9 +148,19 @@ class BatchDrafter:
         return out, q
 
     def prefill(self, rows) -> int:
-        """Feed every row's prompt but its last token (the first drafting round feeds that one, whose logits it
-        needs), while the target's prefill yields the first token. Returns the tokens fed."""
-        return self.catch_up(rows, rows)
+        """Feed every row's prompt while the target's prefill yields the first token. Each row's `tops` then hold
+        the draft's top tokens after its prompt: the prefill round's job ranks the first token (the bonus it
+        pre-drafts for) from them instead of from a step of its own, so its branches hold a token more (simulated
+        device, B = 8: 3 instead of 2 in a 40-ms prefill). Returns the tokens fed."""
+        feeds = [row.real[row.draft_fed:] for row in rows]
+        if not all(feeds):  # a row without a token to read (it has read all): the first drafting round feeds it
+            return self.catch_up(rows, rows)
+        logits = self.kv.forward(*self._feed(rows, feeds), keep_last=1)[:, -1]
+        values, ids = self.top_table(self.probs(logits))
+        for i, (row, feed) in enumerate(zip(rows, feeds)):
+            row.draft_fed += len(feed)
+            row.tops = [(values[i], ids[i])]
+        return sum(map(len, feeds))
 
     def catch_up(self, rows, lagging) -> int:
         """Feed the rows of `lagging` (some of `rows`) what they have not read but their last token, in one batched

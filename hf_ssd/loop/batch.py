@@ -803,7 +803,7 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0,
     else:
         rnd.candidates, rnd.q = [[] for _ in live], [None] * len(live)
     for i, (row, hit, n) in enumerate(zip(live, rnd.hits, rnd.limits)):
-        if not hit and not draw[i]:
+        if not hit and not draw[i] and not rnd.prefill:  # the prefill round keeps the draft prefill's tops
             row.tops = []  # nothing drafted for this row this round
         if rnd.looked_up[i]:
             tokens = ngram_lookup(row.real, n, ngram)
@@ -829,8 +829,9 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
     waited 1.3-2.3 ms a round for a job started before them."""
     candidates = [list(c) for c in rnd.candidates]
     fanout = scheduler.config.fanout if isinstance(scheduler.config.fanout, list) else None
-    # A prompt prefill's time is not a verify's: that job runs until the prefill ends (at most gamma + 1 steps).
-    timed = not scheduler.inline and not rnd.prefill
+    # Behind the prompt prefill the job's deadline is the prefill's predicted time: untimed, the caller waited for
+    # a step begun just before the prefill ended (simulated device, B = 8: 3-9 ms a call).
+    prompt = sum(len(r.real) for r in live) if rnd.prefill else 0
 
     def stage(name: str) -> None:  # tests plant faults at a job's stages (tests/test_faults.py)
         if name in hooks:
@@ -851,9 +852,10 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         with scheduler.costs.lock:
             alpha = scheduler.costs.acceptance
             rnd.job_predicted = [scheduler.hit_rate(budget, len(c), alpha, calibrated=False) for c in candidates]
-            verify_s = scheduler.costs.verify(max(map(len, candidates)), option.budget)
+            verify_s = (scheduler.costs.prefill.predict(prompt) if prompt
+                        else scheduler.costs.verify(max(map(len, candidates)), option.budget))
             priors = [list(scheduler.costs.length_probs(len(c))) for c in candidates] if calibration else None
-        deadline = start + verify_s if timed and verify_s is not None else None
+        deadline = start + verify_s if not scheduler.inline and verify_s is not None else None
         with torch.inference_mode(inference):
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
                       deadline, calibration, priors, stage,
