@@ -1664,3 +1664,39 @@ def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_in
     small.rounds_seen = loop.INFORMED_ROUNDS  # as if earlier calls' tails had measured one row
     assert plan.scheduler_for(1, 8).costs is small
     assert plan.scheduler_for(2, 8) is call
+
+
+def test_the_prefill_rounds_job_is_timed_by_the_prefills_predicted_time(pair, monkeypatch):
+    """The prefill round's job stops a step that would end past the target's prompt prefill, as a verify's job
+    does: its deadline is the prefill's predicted time (`CostModel.prefill`, measured by earlier calls at this
+    batch size); untimed, the caller waited for a step begun just before the prefill ended. Inline (the job runs
+    before the prefill, on the critical path) there is no deadline. Fails if the prefill job goes untimed."""
+    import time
+
+    from hf_ssd.scheduling.costs import estimates_of, reset_estimates
+
+    target, close, _ = pair
+    reset_estimates(target)
+    ids, mask = padded_batch([5, 7], 4)
+    calls = []
+    speculate = loop.speculate
+
+    def spy(drafter, rows, candidates, *args, **kwargs):  # args[6]: the deadline
+        costs = [c for key, c in estimates_of(target, close) if key[2] == "batch2:thread"]
+        predicted = costs[0].prefill.predict(sum(len(r.real) for r in rows)) if costs else None
+        calls.append((args[6], time.perf_counter(), predicted, any(candidates)))
+        return speculate(drafter, rows, candidates, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "speculate", spy)
+    firsts = []
+    for layout in ("thread", "thread", "inline"):
+        before = len(calls)
+        target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=6,
+                        ssd_config=SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout=layout, **QUIET))
+        firsts.append(calls[before])
+    assert not any(has_candidates for *_, has_candidates in firsts)  # each call's first job: the prefill's
+    deadline, called, predicted, _ = firsts[1]  # the second call: the first one measured a prefill
+    assert predicted is not None and deadline is not None
+    assert 0 < deadline - called <= predicted  # the job's start + the prediction
+    assert firsts[2][0] is None
+    reset_estimates(target)
