@@ -1697,6 +1697,8 @@ def test_the_prefill_rounds_job_is_timed_by_the_prefills_predicted_time(pair, mo
     assert not any(has_candidates for *_, has_candidates in firsts)  # each call's first job: the prefill's
     deadline, called, predicted, _ = firsts[1]  # the second call: the first one measured a prefill
     assert predicted is not None and deadline is not None
-    assert 0 < deadline - called <= predicted  # the job's start + the prediction
+    # The job's start (before `speculate` is called) + the prediction; the job's deciding before it takes
+    # milliseconds, longer than the tiny pair's prefill on a busy machine.
+    assert -0.5 < deadline - called <= predicted
     assert firsts[2][0] is None
     reset_estimates(target)
