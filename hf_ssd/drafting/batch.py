@@ -150,8 +150,8 @@ class BatchDrafter:
     def prefill(self, rows) -> int:
         """Feed every row's prompt while the target's prefill yields the first token. Each row's `tops` then hold
         the draft's top tokens after its prompt: the prefill round's job ranks the first token (the bonus it
-        pre-drafts for) from them instead of from a step of its own, so its branches hold a token more (simulated
-        device, B = 8: 3 instead of 2 in a 40-ms prefill). Returns the tokens fed."""
+        pre-drafts for) from them instead of from a step of its own, so its branches hold a token more in the steps
+        that fit beside the target's prefill. Returns the tokens fed."""
         feeds = [row.real[row.draft_fed:] for row in rows]
         if not all(feeds):  # a row without a token to read (it has read all): the first drafting round feeds it
             return self.catch_up(rows, rows)
