@@ -41,10 +41,6 @@ class BatchDrafter:
             self._kv.maybe_compact()
         return self._kv
 
-    @kv.setter
-    def kv(self, cache: RaggedCache) -> None:
-        self._kv, self._adopting = cache, None
-
     @property
     def forwards(self) -> int:
         return self._kv.forwards
