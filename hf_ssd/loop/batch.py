@@ -849,7 +849,7 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
         with torch.inference_mode(inference):  # rows the draft lags (AR rounds, an unread prompt) read first
             _catch_up(drafter, live, None, scheduler.costs)
         rnd.job_budget = budget = scheduler.job_budget(option.budget)  # `_job_budget`, as the model predicts it
-        with scheduler.costs.lock:
+        with scheduler.costs.lock, scheduler.costs.frozen():  # rows of one length share a prediction
             alpha = scheduler.costs.acceptance
             rnd.job_predicted = [scheduler.hit_rate(budget, len(c), alpha, calibrated=False) for c in candidates]
             verify_s = (scheduler.costs.prefill.predict(prompt) if prompt

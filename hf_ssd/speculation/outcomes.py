@@ -48,13 +48,18 @@ def length_probs(p_accept: Sequence[float]) -> list[float]:
     return probs
 
 
-def bonus_probs(top: TopProbs, rejected: int | None = None) -> list[tuple[float, int]]:
+def bonus_probs(top: TopProbs, rejected: int | None = None, limit: int | None = None) -> list[tuple[float, int]]:
     """P(bonus | k) over the draft's top tokens at the bonus's position, likeliest first: without `rejected`
-    (the candidate the target rejected there; None after the last candidate), renormalised over what is left."""
-    values, ids = top
-    pairs = [(v, t) for v, t in zip(values.tolist(), ids.tolist()) if t != rejected]
-    mass = sum(v for v, _ in pairs) or 1.0
-    return [(v / mass, t) for v, t in pairs]
+    (the candidate the target rejected there; None after the last candidate), renormalised over what is left;
+    the first `limit` of them. Lists, not tensor ops: a job predicts 30-40 of these per step of its setup, on a
+    thread whose Python holds the interpreter lock the verifying caller needs."""
+    probs, ids = top[0].tolist(), top[1].tolist()
+    if rejected in ids:
+        at = ids.index(rejected)
+        del probs[at], ids[at]
+    mass = sum(probs) or 1.0
+    n = len(ids) if limit is None else min(limit, len(ids))
+    return [(probs[i] / mass, ids[i]) for i in range(n)]
 
 
 def bonus_rank(top: TopProbs, rejected: int | None, bonus: int) -> int | None:
@@ -68,13 +73,19 @@ def placeholder_top(top: TopProbs) -> TopProbs:
     """A top list with `top`'s probabilities and ids no token has: it sizes the k = g share of a job's budget
     before the draft's distribution after the last candidate is known (its tokens fill that share once read)."""
     values, ids = top
-    return values, -1 - torch.arange(len(ids))
+    n = len(ids)
+    if n not in _NO_TOKENS:
+        _NO_TOKENS[n] = -1 - torch.arange(n)
+    return values, _NO_TOKENS[n]
+
+
+_NO_TOKENS: dict[int, torch.Tensor] = {}  # per length, ids no token has (`placeholder_top`; read, never written)
 
 
 def _scored(candidates: list[int], tops: list[TopProbs], pk: list[float], k: int, limit: int):
     """(P(k, bonus), k, bonus) of the `limit` likeliest bonuses after k accepted."""
     rejected = candidates[k] if k < len(candidates) else None
-    return [(pk[k] * p, k, t) for p, t in bonus_probs(tops[k], rejected)[:limit]]
+    return [(pk[k] * p, k, t) for p, t in bonus_probs(tops[k], rejected, limit)]
 
 
 def predict_outcomes(candidates: list[int], tops: list[TopProbs], fanout: list[int], alpha: float,
