@@ -25,7 +25,7 @@ import hf_ssd
 import hf_ssd.loop.batch as loop
 import hf_ssd.loop.ragged as ragged
 from hf_ssd import SSDConfig, SSDUsageError
-from hf_ssd.models.simulated import DeviceCost, simulate_device
+from hf_ssd.models.simulated import DeviceCost, simulate_device, unsimulate
 
 NEW = 20
 QUIET = {"hit_rate_warning": 0.0}
@@ -1664,6 +1664,40 @@ def test_a_shrinking_batch_decides_with_its_own_size_until_the_smaller_one_is_in
     small.rounds_seen = loop.INFORMED_ROUNDS  # as if earlier calls' tails had measured one row
     assert plan.scheduler_for(1, 8).costs is small
     assert plan.scheduler_for(2, 8) is call
+
+
+def test_a_jobs_set_up_counts_from_the_jobs_start(pair, monkeypatch):
+    """The set-up the cost model counts before a job's first step (`Tree.setup_s`, `CostModel.record`) runs on the
+    job's deadline's clock: from the job's start, its measuring and deciding included (1-4 ms a round on the
+    simulated device, B = 8). Counted from the outcome ranking on, the model fitted more steps into a verify than
+    the deadline lets run. Here each job's deciding takes 0.1 s longer, beside a 0.3-s verify. Fails if the set-up
+    leaves it out."""
+    import time
+
+    target, close, _ = pair
+    ids, mask = padded_batch([5, 7], 6)
+    seen = []
+    decide, speculate = loop._decide, loop.speculate
+
+    def slow_decide(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # a job's deciding
+            time.sleep(0.1)
+        return decide(*args, **kwargs)
+
+    def spy(drafter, rows, candidates, *args, **kwargs):
+        speculate(drafter, rows, candidates, *args, **kwargs)
+        seen.append(args[4].setup_s)  # args[4]: the job's tree
+
+    monkeypatch.setattr(loop, "_decide", slow_decide)
+    monkeypatch.setattr(loop, "speculate", spy)
+    simulate_device(target, DeviceCost(0.3))
+    try:
+        target.generate(ids, attention_mask=mask, assistant_model=close, do_sample=False, max_new_tokens=8,
+                        ssd_config=SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", **QUIET))
+    finally:
+        unsimulate(target)
+    timed = [s for s in seen if s is not None]
+    assert timed and all(s >= 0.1 for s in timed), seen
 
 
 def test_the_prefill_rounds_job_is_timed_by_the_prefills_predicted_time(pair, monkeypatch):

@@ -838,7 +838,7 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
             hooks[name]()
 
     def job(should_stop):
-        start = time.perf_counter()
+        start = time.perf_counter()  # the clock of the job's deadline and of the set-up the model counts
         if measure is not None:
             measure()
         rnd.next = _decide(scheduler, live, max_length)
@@ -860,7 +860,8 @@ def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd:
             speculate(drafter, live, candidates, option.gamma, budget, alpha, allowed, rnd.tree, should_stop,
                       deadline, calibration, priors, stage,
                       grace=lambda n: late_grace_s(alpha, n, option.gamma, verify_s), fanout=fanout,
-                      cached=_held(scheduler, option, drafter), limit=scheduler.config.max_outcomes)
+                      cached=_held(scheduler, option, drafter), limit=scheduler.config.max_outcomes,
+                      started=start)
 
     speculator.submit(job, hold=True)
 

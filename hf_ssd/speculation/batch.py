@@ -80,7 +80,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
               deadline: float | None = None, calibration: AcceptanceCalibration | None = None,
               priors: list[list[float]] | None = None, stage: Callable[[str], None] = lambda name: None,
               grace: Callable[[int], float] = lambda tokens: 0.0, fanout: list[int] | None = None,
-              cached: list[int] = (), limit: int | None = None) -> None:
+              cached: list[int] = (), limit: int | None = None, started: float | None = None) -> None:
     """Fill `tree` with up to `budget` branches per row of up to `gamma` tokens each, step by step until
     `should_stop`, or until a step would end more than `grace(tokens its branches hold)` seconds after `deadline`
     (when the verification is expected to end: the caller would wait for that step; `late_grace_s` says when its
@@ -101,11 +101,12 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     k = g outcomes whose bonus the draft has not ranked yet goes to late branches; `limit` keeps a row's
     likeliest that many (`SSDConfig.max_outcomes`). `cached[t]`: the bonuses a later job will hold for a
     rejection of a branch's token t (Saguaro sampling, `BatchDrafter.draw`). `stage`: called at each stage
-    ("predict", then per step "draft" and "insert"; tests plant faults)."""
+    ("predict", then per step "draft" and "insert"; tests plant faults). `started`: when the job began (the clock
+    of its `deadline`), from which `tree.setup_s` counts."""
     stage("predict")
     if drafter.kv.mask is None:  # the draft has read nothing yet (a one-token prompt skips its prefill): no rows to copy
         return
-    start = time.perf_counter()
+    start = time.perf_counter() if started is None else started
     picks, branches, feeds = [], [], []
     for r, (row, c) in enumerate(zip(rows, candidates)):
         pk = None
