@@ -51,8 +51,8 @@ def length_probs(p_accept: Sequence[float]) -> list[float]:
 def bonus_probs(top: TopProbs, rejected: int | None = None, limit: int | None = None) -> list[tuple[float, int]]:
     """P(bonus | k) over the draft's top tokens at the bonus's position, likeliest first: without `rejected`
     (the candidate the target rejected there; None after the last candidate), renormalised over what is left;
-    the first `limit` of them. Lists, not tensor ops: a job predicts 30-40 of these per step of its setup, on a
-    thread whose Python holds the interpreter lock the verifying caller needs."""
+    the first `limit` of them. Lists, not tensor ops: a job calls this for every k of every row (30-40 times at
+    B = 8) before its first step, on a thread whose Python holds the interpreter lock the verifying caller needs."""
     probs, ids = top[0].tolist(), top[1].tolist()
     if rejected in ids:
         at = ids.index(rejected)
