@@ -56,7 +56,7 @@ def grown_children(states, results, rows: list[Outcome], taken: int, gamma: int,
         tops = state.tops(j)
         qs = drafted_probs(tokens, tops)
         p_k = length_probs([p_accept(q) for q in qs[: j + 1]])[j]  # the first j kept, token j rejected
-        for p, t in bonus_probs(tops[j], tokens[j])[:width]:
+        for p, t in bonus_probs(tops[j], tokens[j], width):
             if allowed(state.start, j, t):
                 scored.append((rows[r].prob * p_k * p, r, Outcome(j, t, p_k * p)))
     scored.sort(key=lambda c: -c[0])

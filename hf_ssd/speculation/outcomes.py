@@ -73,13 +73,7 @@ def placeholder_top(top: TopProbs) -> TopProbs:
     """A top list with `top`'s probabilities and ids no token has: it sizes the k = g share of a job's budget
     before the draft's distribution after the last candidate is known (its tokens fill that share once read)."""
     values, ids = top
-    n = len(ids)
-    if n not in _NO_TOKENS:
-        _NO_TOKENS[n] = -1 - torch.arange(n)
-    return values, _NO_TOKENS[n]
-
-
-_NO_TOKENS: dict[int, torch.Tensor] = {}  # per length, ids no token has (`placeholder_top`; read, never written)
+    return values, -1 - torch.arange(len(ids))
 
 
 def _scored(candidates: list[int], tops: list[TopProbs], pk: list[float], k: int, limit: int):
