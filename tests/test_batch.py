@@ -1243,12 +1243,56 @@ def test_a_job_reuses_the_last_jobs_buffers_and_drafts_the_drafts_own_branches(p
         tree = Tree()
         speculate(drafter, rows, candidates, gamma, 8, 0.6, lambda row, o: True, tree, lambda: False)
         spare = drafter.spare
-        first = first or {i: tuple(t.data_ptr() for t in bufs) for i, bufs in spare.items()}
-    assert first and {i: tuple(t.data_ptr() for t in bufs) for i, bufs in spare.items()} == first
+        first = first or {i: tuple(t.data_ptr() for t in bufs) for i, bufs in spare.layers.items()}
+    assert first and {i: tuple(t.data_ptr() for t in bufs) for i, bufs in spare.layers.items()} == first
     assert torch.equal(drafter.kv.mask, mask)
     for b in map(tree.take, range(len(tree.branches))):
         context = rows[b.row].real + candidates[b.row][: b.outcome.accepted] + [b.outcome.bonus]
         assert b.tokens == _draft_greedy(draft, context, gamma)[0], (b.row, b.outcome, b.rank)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_jobs_copy_of_a_row_it_copied_before_takes_the_new_columns_and_equals_a_full_copy(pair, seed, monkeypatch):
+    """`RaggedCache.branch` copies into a buffer row that holds the same row's earlier copy (same lineage) only
+    the columns added since. Over two jobs, with an adoption and a draft forward between them, some buffer rows
+    keeping their row and some changing it, and then a compaction (a new lineage), every copy must equal a full
+    copy of its row, and the second job must have reused copies. Fails if a reused copy misses a column or keeps
+    one of its own branch's, or if a compaction's moved columns are taken for the old ones."""
+    _, drafter, rows, _ = _job_setup(pair, lengths_for(5, seed), seed, 3)
+    kv, spare = drafter.kv, ragged.JobBuffers()
+    gen = torch.Generator().manual_seed(seed)
+
+    def step(cache, n):  # one token a row at its next position: what a job's step or a fallback draft appends
+        ids = torch.randint(3, 50, (n, 1), generator=gen)
+        cache.forward(ids, torch.ones(n, 1, dtype=torch.long), cache.mask.sum(1, keepdim=True), keep_last=1)
+
+    def check(copies, cache, picks):
+        width = cache.columns
+        for mine, theirs in zip(copies.cache.layers, cache.cache.layers):
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                assert torch.equal(a[:, :, :width], b.index_select(0, torch.tensor(picks))), picks
+        assert torch.equal(copies.mask, cache.mask.index_select(0, torch.tensor(picks)))
+
+    n = len(rows)
+    picks = [r for r in range(n) for _ in range(3)]
+    first = kv.branch(picks, room=4, spare=spare)
+    check(first, kv, picks)
+    step(first, len(picks))  # each copy drafts its own token into its buffer row
+    kv = kv.gather([(first, 3 * r + (r % 3)) for r in range(n)])  # row r adopts one of its copies
+    step(kv, n)
+    held = list(spare.slots)
+    picks = [r for r in range(n) for _ in range(3 if r % 2 else 2)]  # odd rows keep buffer rows, later ones move
+    second = kv.branch(picks, room=4, spare=spare)
+    check(second, kv, picks)
+    reused = [s for s, r in enumerate(picks) if held[s] is not None and held[s][0] == kv.lineage[r]]
+    assert reused and len(reused) < len(picks)
+    step(second, len(picks))
+    monkeypatch.setattr(ragged, "COMPACT_MIN", 0)
+    kv.mask[:, : kv.columns // 2] = 0  # masked columns to drop: the compaction moves the rest
+    kv.maybe_compact()
+    assert kv.lineage is None
+    third = kv.branch(picks, room=4, spare=spare)
+    check(third, kv, picks)
 
 
 def test_an_adoption_is_copied_at_the_caches_next_use_with_the_rows_that_stayed(pair):

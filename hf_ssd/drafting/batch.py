@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loop.ragged import RaggedCache
+from ..loop.ragged import JobBuffers, RaggedCache
 from .drafter import CONTEXT_FREE, saguaro_q
 
 
@@ -29,7 +29,7 @@ class BatchDrafter:
         self.pad = pad
         self.top_k = min(top_k, out_vocab)  # a tiny vocabulary has fewer tops than the widest fan-out ranks
         self.generator = generator  # the draft's own draws (also on the speculator's thread)
-        self.spare: dict = {}  # buffers of the speculation jobs' copies of the rows, reused (`RaggedCache.branch`)
+        self.spare = JobBuffers()  # the speculation jobs' copies of the rows, reused (`RaggedCache.branch`)
         self.saguaro_c = saguaro_c if do_sample else None  # `draw`
 
     @property

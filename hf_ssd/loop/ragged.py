@@ -10,7 +10,9 @@ right end (RoPE is already applied to cached keys, so moving a column changes no
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -22,6 +24,16 @@ COMPACT_WASTE = 0.25  # compact when masked columns exceed this share of the cac
 COMPACT_MIN = 32
 SPARE_COLUMNS = 64  # a job buffer's columns beyond what its first job needs (`RaggedCache.branch`)
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+_LINEAGES = itertools.count()  # `RaggedCache.lineage`: unique over the process, so no two calls' rows share one
+
+
+@dataclass
+class JobBuffers:
+    """The buffers speculation jobs copy rows into (`RaggedCache.branch`), kept from one job to the next: per layer
+    (keys, values), and per buffer row the (lineage, columns) of the row it holds a copy of, or None."""
+
+    layers: dict = field(default_factory=dict)
+    slots: list = field(default_factory=list)
 
 
 class RaggedCache:
@@ -40,6 +52,10 @@ class RaggedCache:
         # [rows, columns] long: j >= 1 where a column holds this round's candidate j (the row keeps it only if it
         # accepts j: `settle`), 0 for confirmed columns.
         self.tag: torch.Tensor | None = None
+        # Per row, an id of its columns' history (None: not given yet, `_lineages`). A row's keys and values are
+        # only ever appended to, so two rows of one lineage agree on their common columns; compacting starts a
+        # new one. A job's copy of a row then needs only the columns added since the last job copied it (`branch`).
+        self.lineage: list[int] | None = None
         self.forwards = 0
         # `output_attentions` / `output_hidden_states` asked of each forward (one prompt's `return_dict_in_generate`);
         # the last forward's (attentions, hidden_states) are kept in `internals`.
@@ -143,7 +159,7 @@ class RaggedCache:
                     parts = [getattr(c.layers[i], name) for c in caches]
                     setattr(layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
                                                     for t in parts]))
-        self.mask = valid
+        self.mask, self.lineage = valid, None
         return torch.cat(logits)
 
     def settle(self, accepted: torch.Tensor) -> None:
@@ -186,38 +202,64 @@ class RaggedCache:
                 out.cache.layers[i].keys, out.cache.layers[i].values = keys, values
         out.mask = stack([c.mask for c in caches], 1)
         out.tag = stack([c.tag for c in caches], 1)
+        lineages = {id(c): c._lineages() for c in caches}
+        out.lineage = [lineages[id(c)][i] for c, i in sources]
         return out
 
-    def branch(self, rows: list[int], room: int, spare: dict) -> RaggedCache:
+    def branch(self, rows: list[int], room: int, spare: JobBuffers) -> RaggedCache:
         """A new cache whose row r is a copy of row rows[r] of this one, with room for `room` more columns, for a
         speculation job: its steps then write their columns in place, where a `DynamicLayer` would copy all its
-        rows at every step. The copies go into `spare`'s buffers (layer index -> (keys, values), kept by the
-        caller from one job to the next and grown as needed): fresh memory costs its page faults again each time
-        (tiny pair on CPU, 128 copies of 250 columns: 1.4 ms a copy into new memory, 0.2 ms into a used buffer),
-        and one job's copies are never read once the next starts (the rows taken from it are copied out,
-        `gather`)."""
-        pick = torch.tensor(rows, device=self.device)
-        out = copy.copy(self)
-        out.cache = new_cache()
+        rows at every step. The copies go into `spare`'s buffers (kept by the caller from one job to the next and
+        grown as needed): fresh memory costs its page faults again each time (tiny pair on CPU, 128 copies of 250
+        columns: 1.4 ms a copy into new memory, 0.2 ms into a used buffer), and one job's copies are never read
+        once the next starts (the rows taken from it are copied out, `gather`). A buffer row that already holds a
+        copy of the same lineage (`lineage`: the last job gave it the same row) gets only the columns added since:
+        a row grows by a few columns a round, so a job copies those of each of its copies, not all of them."""
         width = self.columns
+        lineage = self._lineages()
+        shapes = {}
         for i, layer in enumerate(self.cache.layers):
             if holds_tensors(layer):
-                bufs = []
-                for t, old in zip((layer.keys, layer.values), spare.get(i, (None, None))):
-                    shape = (len(rows), t.shape[1], width + room, t.shape[3])
-                    if (old is None or old.dtype != t.dtype or old.device != t.device or old.shape[1] != shape[1]
-                            or old.shape[3] != shape[3] or old.shape[0] < shape[0] or old.shape[2] < shape[2]):
-                        # Headroom, so that a call's growing rows reuse one buffer for many rounds.
-                        old = t.new_empty((max(shape[0], 0 if old is None else old.shape[0]), shape[1],
-                                           shape[2] + SPARE_COLUMNS, shape[3]))
-                    bufs.append(old)
-                spare[i] = tuple(bufs)
-                out.cache.update(layer.keys[:, :, :0], layer.values[:, :, :0], i)  # creates layer i (any version)
-                out.cache.layers[i] = _RoomyLayer(*(b[: len(rows), :, : width + room] for b in bufs), width)
-                for t, b in zip((layer.keys, layer.values), bufs):
-                    torch.index_select(t, 0, pick, out=b[: len(rows), :, :width])
+                shapes[i] = [(len(rows), t.shape[1], width + room, t.shape[3]) for t in (layer.keys, layer.values)]
+        fits = all(_fits(old, t, shape) for i, layer in enumerate(self.cache.layers) if i in shapes
+                   for t, old, shape in zip((layer.keys, layer.values), spare.layers.get(i, (None, None)), shapes[i]))
+        if not fits:  # a new buffer holds no copies
+            spare.slots = []
+        spare.slots += [None] * (len(rows) - len(spare.slots))
+        # Per first column to copy (where the buffer row's copy of the same lineage ends, else 0): its buffer rows
+        # and the rows they copy.
+        starts: dict[int, tuple[list[int], list[int]]] = {}
+        for slot, r in enumerate(rows):
+            held = spare.slots[slot]
+            start = held[1] if held is not None and held[0] == lineage[r] and held[1] <= width else 0
+            starts.setdefault(start, ([], []))
+            starts[start][0].append(slot)
+            starts[start][1].append(r)
+            spare.slots[slot] = (lineage[r], width)
+        index = {start: tuple(torch.tensor(x, device=self.device) for x in pair) for start, pair in starts.items()
+                 if start < width}
+        out = copy.copy(self)
+        out.cache = new_cache()
+        for i, layer in enumerate(self.cache.layers):
+            if i not in shapes:
+                continue
+            bufs = []
+            for t, old, shape in zip((layer.keys, layer.values), spare.layers.get(i, (None, None)), shapes[i]):
+                if not fits:
+                    # Headroom, so that a call's growing rows reuse one buffer for many rounds.
+                    old = t.new_empty((max(shape[0], 0 if old is None else old.shape[0]), shape[1],
+                                       shape[2] + SPARE_COLUMNS, shape[3]))
+                bufs.append(old)
+            spare.layers[i] = tuple(bufs)
+            out.cache.update(layer.keys[:, :, :0], layer.values[:, :, :0], i)  # creates layer i (any version)
+            out.cache.layers[i] = _RoomyLayer(*(b[: len(rows), :, : width + room] for b in bufs), width)
+            for t, b in zip((layer.keys, layer.values), bufs):
+                for start, (slots, picks) in index.items():
+                    b[:, :, start:width].index_copy_(0, slots, t[:, :, start:width].index_select(0, picks))
+        pick = torch.tensor(rows, device=self.device)
         out.mask = self.mask.index_select(0, pick)
         out.tag = self.tag.index_select(0, pick)
+        out.lineage = [lineage[r] for r in rows]
         return out
 
     def select(self, rows: list[int]) -> None:
@@ -228,6 +270,14 @@ class RaggedCache:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         if self.mask is not None:
             self.mask, self.tag = self.mask[index], self.tag[index]
+        if self.lineage is not None:
+            self.lineage = [self.lineage[r] for r in rows]
+
+    def _lineages(self) -> list[int]:
+        """Each row's lineage (`lineage`), new ones given where it has none."""
+        if self.lineage is None or len(self.lineage) != self.mask.shape[0]:
+            self.lineage = [next(_LINEAGES) for _ in range(self.mask.shape[0])]
+        return self.lineage
 
     def maybe_compact(self) -> None:
         """Drop masked columns once they are a large share of the cache (memory and attention time), or at once
@@ -253,6 +303,13 @@ class RaggedCache:
                     2, base.expand(*layer.values.shape[:2], need, layer.values.shape[-1]))
         self.mask = self.mask.gather(1, order)
         self.tag = self.tag.gather(1, order)
+        self.lineage = None  # columns moved: every row starts a new lineage
+
+
+def _fits(old: torch.Tensor | None, t: torch.Tensor, shape: tuple) -> bool:
+    """Whether buffer `old` can hold `shape` copies of layer tensor `t`'s rows."""
+    return not (old is None or old.dtype != t.dtype or old.device != t.device or old.shape[1] != shape[1]
+                or old.shape[3] != shape[3] or old.shape[0] < shape[0] or old.shape[2] < shape[2])
 
 
 class _RoomyLayer(DynamicLayer):
