@@ -23,6 +23,10 @@ from ..drafting.kvcache import forward_params, holds_tensors, new_cache
 COMPACT_WASTE = 0.25  # compact when masked columns exceed this share of the cache (and at least COMPACT_MIN)
 COMPACT_MIN = 32
 SPARE_COLUMNS = 64  # a job buffer's columns beyond what its first job needs (`RaggedCache.branch`)
+# A job buffer's rows are a multiple of this: the next job's copies often number a few more (a row's outcomes vary),
+# and a buffer one row short is allocated anew, its memory's page faults paid again (simulated device, B = 8: a
+# second job's copy took 11-14 ms where 125 copies were followed by 127).
+SPARE_ROWS = 32
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _LINEAGES = itertools.count()  # `RaggedCache.lineage`: unique over the process, so no two calls' rows share one
 
@@ -247,8 +251,8 @@ class RaggedCache:
             for t, old, shape in zip((layer.keys, layer.values), spare.layers.get(i, (None, None)), shapes[i]):
                 if not fits:
                     # Headroom, so that a call's growing rows reuse one buffer for many rounds.
-                    old = t.new_empty((max(shape[0], 0 if old is None else old.shape[0]), shape[1],
-                                       shape[2] + SPARE_COLUMNS, shape[3]))
+                    rows_held = -(-max(shape[0], 0 if old is None else old.shape[0]) // SPARE_ROWS) * SPARE_ROWS
+                    old = t.new_empty((rows_held, shape[1], shape[2] + SPARE_COLUMNS, shape[3]))
                 bufs.append(old)
             spare.layers[i] = tuple(bufs)
             out.cache.update(layer.keys[:, :, :0], layer.values[:, :, :0], i)  # creates layer i (any version)
