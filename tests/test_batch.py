@@ -1295,6 +1295,23 @@ def test_a_jobs_copy_of_a_row_it_copied_before_takes_the_new_columns_and_equals_
     check(third, kv, picks)
 
 
+def test_a_jobs_copies_go_where_the_last_job_left_copies_of_their_rows(pair):
+    """`RaggedCache.slot_order` puts each copy in a buffer row that holds a copy of its row from the last job, so that
+    `branch` copies only the new columns. Here the first row gains a copy and the last loses one: every copy but the
+    first row's new one keeps a buffer row of its own row. In the given order every later row's copies would move
+    one buffer row on. Fails if the order is not a permutation, or if it ignores the buffer rows' lineages."""
+    _, drafter, rows, _ = _job_setup(pair, lengths_for(5, 1), 1, 3)
+    kv, spare = drafter.kv, ragged.JobBuffers()
+    n = len(rows)
+    kv.branch([r for r in range(n) for _ in range(3)], room=4, spare=spare)
+    picks = [r for r in range(n) for _ in range(4 if r == 0 else 2 if r == n - 1 else 3)]
+    order = kv.slot_order(picks, spare)
+    assert sorted(order) == list(range(len(picks)))
+    kept = sum(spare.slots[s][0] == kv.lineage[picks[i]] for s, i in enumerate(order))
+    assert kept == len(picks) - 1
+    assert sum(spare.slots[s][0] == kv.lineage[r] for s, r in enumerate(picks)) < kept
+
+
 def test_an_adoption_is_copied_at_the_caches_next_use_with_the_rows_that_stayed(pair):
     """Rows adopting branches (`BatchDrafter.adopt`) are copied only when the draft's cache is next used; rows
     that leave before that (`select`) are not copied. The cache then holds exactly what copying at once, then

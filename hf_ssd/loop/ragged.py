@@ -210,6 +210,24 @@ class RaggedCache:
         out.lineage = [lineages[id(c)][i] for c, i in sources]
         return out
 
+    def slot_order(self, rows: list[int], spare: JobBuffers) -> list[int]:
+        """An order of copies of `rows` (row rows[i] for copy i) for `branch`: order[s] is the copy to put in
+        buffer row s. A copy goes where the last job left a copy of the same lineage, so that `branch` copies only
+        its new columns; the rest fill the other buffer rows in their order. (In the given order, a row's copies
+        follow those of the rows before it, and a branch more or less for one row moved every later row's
+        copies: later jobs reused 66-124 of their 121-128 copies.)"""
+        lineage = self._lineages()
+        waiting: dict[int, list[int]] = {}
+        for i in reversed(range(len(rows))):
+            waiting.setdefault(lineage[rows[i]], []).append(i)  # popped from the end: in the given order
+        order: list[int | None] = [None] * len(rows)
+        for slot, held in enumerate(spare.slots[: len(rows)]):
+            if held is not None and waiting.get(held[0]):
+                order[slot] = waiting[held[0]].pop()
+        placed = {i for i in order if i is not None}
+        rest = iter(i for i in range(len(rows)) if i not in placed)
+        return [next(rest) if i is None else i for i in order]
+
     def branch(self, rows: list[int], room: int, spare: JobBuffers) -> RaggedCache:
         """A new cache whose row r is a copy of row rows[r] of this one, with room for `room` more columns, for a
         speculation job: its steps then write their columns in place, where a `DynamicLayer` would copy all its

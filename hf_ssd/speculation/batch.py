@@ -126,6 +126,8 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
                 feeds.append(unread)
     if not branches or should_stop():
         return
+    order = drafter.kv.slot_order(picks, drafter.spare)  # each copy where the last job left one of its row
+    picks, branches, feeds = [picks[i] for i in order], [branches[i] for i in order], [feeds[i] for i in order]
     # Step 0 feeds each copy's first block (right-aligned); later steps one token each, at its next position.
     # Built from lists: a tensor op per branch would hold the interpreter lock for milliseconds at 128 branches.
     width = max(len(ids) for ids, _ in feeds)
