@@ -1312,6 +1312,17 @@ def test_a_jobs_copies_go_where_the_last_job_left_copies_of_their_rows(pair):
     assert sum(spare.slots[s][0] == kv.lineage[r] for s, r in enumerate(picks)) < kept
 
 
+def test_a_row_gathered_twice_gives_its_second_copy_a_lineage_of_its_own(pair):
+    """Rows of one lineage agree on their common columns (`RaggedCache.lineage`), which two copies of one row stop
+    doing once each appends its own. `gather` taking a row twice must give the second copy a new lineage, or a job
+    buffer row holding the first copy's columns would be taken for the second's. Fails if the lineage is shared."""
+    _, drafter, rows, _ = _job_setup(pair, lengths_for(3, 2), 2, 3)
+    kv = drafter.kv
+    both = kv.gather([(kv, 0), (kv, 0), (kv, 1)])
+    assert both.lineage[0] == kv.lineage[0] and both.lineage[2] == kv.lineage[1]
+    assert both.lineage[1] not in kv.lineage
+
+
 def test_an_adoption_is_copied_at_the_caches_next_use_with_the_rows_that_stayed(pair):
     """Rows adopting branches (`BatchDrafter.adopt`) are copied only when the draft's cache is next used; rows
     that leave before that (`select`) are not copied. The cache then holds exactly what copying at once, then

@@ -207,7 +207,10 @@ class RaggedCache:
         out.mask = stack([c.mask for c in caches], 1)
         out.tag = stack([c.tag for c in caches], 1)
         lineages = {id(c): c._lineages() for c in caches}
-        out.lineage = [lineages[id(c)][i] for c, i in sources]
+        out.lineage, seen = [], set()
+        for c, i in sources:  # a row taken twice forks: its second copy starts a lineage of its own
+            out.lineage.append(lineages[id(c)][i] if (id(c), i) not in seen else next(_LINEAGES))
+            seen.add((id(c), i))
         return out
 
     def slot_order(self, rows: list[int], spare: JobBuffers) -> list[int]:
