@@ -69,11 +69,20 @@ def json_round(data):
 def test_state_round_trip_reproduces_estimates_and_decisions(pair, profiles_on):
     target, draft = pair
     reset_estimates(target)
-    call(target, draft, 32)
-    call(target, draft, 16)
-    [(_, costs)] = estimates_of(target, draft)
-    state = json_round(costs.state_dict())
-    # The measured model exercises every table (else the round trip would prove little).
+
+    def filled(state) -> bool:
+        return all(state[name] for name in ("verify_overlapped", "overhead", "misses", "expected_misses", "outcomes")) \
+            and bool(state["verify_alone"]["points"] and state["tree_step"]["points"])
+
+    # The measured model must exercise every table (else the round trip would prove little). Which options two
+    # short calls run depends on this machine's timings: under the full suite's load they once ran no job step
+    # (no `tree_step`), so calls go on, up to four, until every table holds something.
+    for tokens in (32, 16, 32, 32):
+        call(target, draft, tokens)
+        [(_, costs)] = estimates_of(target, draft)
+        state = json_round(costs.state_dict())
+        if filled(state):
+            break
     for name in ("verify_overlapped", "overhead", "misses", "expected_misses"):
         assert state[name], name
     assert state["verify_alone"]["points"] and state["tree_step"]["points"] and state["outcomes"]
