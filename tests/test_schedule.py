@@ -741,6 +741,32 @@ def test_calibrated_hit_rate_converges_to_the_measured_one(true_hit):
     assert _calibrated_hit(costs, 4, true_hit) == pytest.approx(true_hit, abs=0.05)
 
 
+def test_a_batchs_lookups_count_once_a_round_so_its_calibration_reaches_rare_misses():
+    """A batch looks up every row each round: its miss counts decay once a round, not once a lookup. Decayed per
+    lookup, 8 rows kept about 2.5 rounds of them, and where the model predicts few misses the prior (2 misses at
+    the model's rate) outweighed the budget's own: a budget that hit 70% of its lookups stayed rated 0.74."""
+    costs = fed_costs(0.7, 0.1, lambda b: 0.1, 0.02, lambda w: 0.02, RANKS)
+    s = Scheduler(SSDConfig(), costs, [Option("ssd", 3, 64)], Option("ssd", 3, 64), inline=False)
+    raw = s.hit_rate(64, 3, costs.acceptance, calibrated=False)
+    assert raw > 0.85  # the model predicts few misses
+    misses = 0.0
+    for _ in range(60):  # rounds of 8 rows, 30% of the lookups missing (evenly spread)
+        lookups = []
+        for _ in range(8):
+            misses += 0.3
+            hit = misses < 1.0
+            misses -= 0.0 if hit else 1.0
+            lookups.append((hit, s.hit_rate(64, 3, costs.acceptance, calibrated=False)))
+        costs.add_lookups(64, lookups)
+    assert s.hit_rate(64, 3, costs.acceptance) == pytest.approx(0.7, abs=0.02)
+    # One lookup a round (one prompt) is what `add_lookup` records: the same counts as a round of one row.
+    one, batch = (fed_costs(0.7, 0.1, lambda b: 0.1, 0.02, lambda w: 0.02, RANKS) for _ in range(2))
+    for i in range(30):
+        one.add_lookup(4, i % 3 > 0, 0.9)
+        batch.add_lookups(4, [(i % 3 > 0, 0.9)])
+    assert one.miss_ratio(4) == pytest.approx(batch.miss_ratio(4))
+
+
 def test_unmeasured_budget_takes_the_pooled_miss_ratio_and_keeps_the_models_order():
     costs = fed_costs(0.7, 0.1, lambda b: 0.1, 0.02, lambda w: 0.02, RANKS)
     _calibrated_hit(costs, 4, 0.3)  # more misses than the model predicts: ratio > 1

@@ -1061,9 +1061,9 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 costs.add_record(tree.setup_s)
             if not first:  # the prefill round's overhead holds the draft's prompt prefill
                 costs.add_overhead(job.budget, rnd.overhead_s)
-            for row, found, predicted in zip(live, rnd.found, rnd.job_predicted):
-                if not row.done:  # a row that ended needs no next round: neither a hit nor a miss
-                    costs.add_lookup(rnd.job_budget, found is not None, predicted)
+            # A row that ended needs no next round: neither a hit nor a miss.
+            costs.add_lookups(rnd.job_budget, [(found is not None, predicted) for row, found, predicted
+                                               in zip(live, rnd.found, rnd.job_predicted) if not row.done])
         costs.add_round(seconds)
     for row, c, k in zip(live, rnd.candidates, rnd.accepted):
         row.rounds += 1

@@ -363,10 +363,20 @@ class CostModel:
         self.ranks = [c * self.rank_decay for c in self.ranks]
         self.ranks[self.top_k if rank is None or rank >= self.top_k else rank] += 1.0
 
-    @_locked
     def add_lookup(self, budget: int, hit: bool, predicted: float) -> None:
-        self.misses[budget] = 0.95 * self.misses.get(budget, 0.0) + float(not hit)
-        self.expected_misses[budget] = 0.95 * self.expected_misses.get(budget, 0.0) + 1.0 - predicted
+        self.add_lookups(budget, [(hit, predicted)])
+
+    @_locked
+    def add_lookups(self, budget: int, lookups: list[tuple[bool, float]]) -> None:
+        """One round's lookups (hit, predicted P(hit)), one per row: the counts decay once a round, so that a batch
+        keeps as many rounds of them as one prompt does. (Decayed per lookup, a batch of 8 kept about 2.5 rounds:
+        on the simulated device b = 8 missed 10% of its lookups against 3.4% for b = 16, while the model, its own
+        misses outweighed by the prior, rated both 0.987.)"""
+        if not lookups:
+            return
+        self.misses[budget] = 0.95 * self.misses.get(budget, 0.0) + sum(not hit for hit, _ in lookups)
+        self.expected_misses[budget] = (0.95 * self.expected_misses.get(budget, 0.0)
+                                        + sum(1.0 - predicted for _, predicted in lookups))
 
     @_locked
     def add_verify(self, n: int, seconds: float, budget: int | None, threads: int = 0) -> None:
