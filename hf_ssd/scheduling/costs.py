@@ -28,6 +28,10 @@ NEW_CALL_KEEP = 0.5  # weight of earlier calls' acceptance statistics when a new
 CALL_PRIOR_ROUNDS = 2.0
 CALL_HISTORY = 16  # calls whose own acceptance `call_acceptances` keeps (schedule.Scheduler.trial_pays)
 MISS_PRIOR = 2.0  # predicted misses a budget's own miss ratio needs to outweigh the pooled one
+# Rounds a budget's own overhead needs to outweigh the mean over all budgets (`overhead_for(pooled=True)`): beside
+# the verify a job's critical-path time is mostly waits of a few ms in some rounds, and seven rounds' worth of them
+# (the decay) differed by 1-1.5 ms between budgets whose rounds' medians differed by 0.1 (simulated device, B = 8).
+OVERHEAD_PRIOR = 4.0
 STATE_FORMAT = 1  # of `CostModel.state_dict()`; a saved state of another format is not loaded
 
 
@@ -636,9 +640,17 @@ class CostModel:
                   if n in self.verify_alone.points and (alone := self.verify_alone.points[n].value)]
         return max(ratios, default=None)
 
-    def overhead_for(self, budget: int) -> float:
+    def overhead_for(self, budget: int, pooled: bool = False) -> float:
+        """Critical-path seconds a job of this budget adds to a round: the nearest budget measured; `pooled` (a job
+        beside the verify, not inline) shrunk towards the mean over all budgets by OVERHEAD_PRIOR rounds."""
         e = self._nearest(self.overhead, budget)
-        return e.value if e is not None and e.value is not None else 0.0
+        if e is None or e.value is None:
+            return 0.0
+        if not pooled:
+            return e.value
+        measured = [x for x in self.overhead.values() if x.weight > 0]
+        mean = sum(x.total for x in measured) / sum(x.weight for x in measured)
+        return (e.total + OVERHEAD_PRIOR * mean) / (e.weight + OVERHEAD_PRIOR)
 
     @_locked
     def snapshot(self, gamma: int, budgets: list[int]) -> dict:
