@@ -82,10 +82,6 @@ EARLY_MARGIN = 1.05
 # per row: an idle accelerator's batch of 2 or 4 (simulated device: model 1.45x for b = 8, measured 0.95-1.05x
 # from plain SD and b = 1, loop calls 2.1x) runs the loop.
 EARLY_OVERRULE = 1.3
-# The verify's slowdown beside a speculation job (`CostModel.interference`) under which the hardware counts as idle
-# for the job, so that the early verdict's overrule may trust the model's wider fan-outs: the simulated device
-# (forwards that sleep) measured 1.00-1.04 at B = 2-8.
-OVERLAP_IDLE = 1.15
 VERDICT_MIN_STEPS = 24  # chosen decode steps loop calls add up to before their speedup over plain is recorded
 
 
@@ -329,8 +325,7 @@ class BatchPlan:
         # Wider fan-outs win only by hiding their job behind hardware the verify leaves idle: where the jobs
         # measured slowed the verify, a wider one would slow it more than the model, which assumes the narrower
         # one's slowdown, says.
-        interference = costs.interference()
-        if interference is not None and interference > OVERLAP_IDLE:
+        if costs.interference() is not None and not costs.idle_beside_jobs():
             return True
         scale = min(1.0, sum(m for m, _ in fared) / sum(r for _, r in fared))
         return best.rate * scale / straggle < EARLY_OVERRULE / step

@@ -32,6 +32,11 @@ MISS_PRIOR = 2.0  # predicted misses a budget's own miss ratio needs to outweigh
 # the verify a job's critical-path time is mostly waits of a few ms in some rounds, and seven rounds' worth of them
 # (the decay) differed by 1-1.5 ms between budgets whose rounds' medians differed by 0.1 (simulated device, B = 8).
 OVERHEAD_PRIOR = 4.0
+# The verify's slowdown beside a speculation job (`CostModel.interference`) under which the hardware counts as idle
+# for the job (`idle_beside_jobs`), so that the early verdict's overrule may trust the model's wider fan-outs
+# (loop/batch.py) and a job's width costs the critical path only its waits (`overhead_for`): the simulated device
+# (forwards that sleep) measured 1.00-1.04 at B = 2-8, the real pair on CPU cores 1.5 at B = 4.
+OVERLAP_IDLE = 1.15
 STATE_FORMAT = 1  # of `CostModel.state_dict()`; a saved state of another format is not loaded
 
 
@@ -640,13 +645,20 @@ class CostModel:
                   if n in self.verify_alone.points and (alone := self.verify_alone.points[n].value)]
         return max(ratios, default=None)
 
-    def overhead_for(self, budget: int, pooled: bool = False) -> float:
-        """Critical-path seconds a job of this budget adds to a round: the nearest budget measured; `pooled` (a job
-        beside the verify, not inline) shrunk towards the mean over all budgets by OVERHEAD_PRIOR rounds."""
+    def idle_beside_jobs(self) -> bool:
+        """Whether the jobs measured left the verify as fast as alone (within OVERLAP_IDLE; not measured: no)."""
+        interference = self.interference()
+        return interference is not None and interference <= OVERLAP_IDLE
+
+    def overhead_for(self, budget: int, beside: bool = False) -> float:
+        """Critical-path seconds a job of this budget adds to a round: the nearest budget measured. A job `beside`
+        the verify (not inline) on hardware it leaves idle (`idle_beside_jobs`) costs it only waits whatever its
+        width: shrunk towards the mean over all budgets by OVERHEAD_PRIOR rounds. (On CPU cores a wider job's steps
+        are longer, and so is the wait for its last one: each budget keeps its own.)"""
         e = self._nearest(self.overhead, budget)
         if e is None or e.value is None:
             return 0.0
-        if not pooled:
+        if not (beside and self.idle_beside_jobs()):
             return e.value
         measured = [x for x in self.overhead.values() if x.weight > 0]
         mean = sum(x.total for x in measured) / sum(x.weight for x in measured)

@@ -404,7 +404,7 @@ class Scheduler:
             # A hit on k = g (all n_hit candidates accepted) returns a branch that started a step late.
             all_kept = c.length_probs(n_hit)[n_hit] if alpha is None else alpha**n_hit
             e_hit += all_kept * (self._expected(min(g, steps - 1), alpha) - e_hit)
-        return HitTerms(tv, c.overhead_for(b, pooled=not self.inline), p, e_hit)
+        return HitTerms(tv, c.overhead_for(b, beside=not self.inline), p, e_hit)
 
     def predict(self, option: Option, alpha: float | None = None) -> Prediction | None:
         """The model's E / T for this option, corrected by how its own past rounds compared with the model."""
