@@ -982,23 +982,29 @@ def plan_costs(target, draft, size: int):
     return found[0]
 
 
-@pytest.mark.parametrize(("best", "predicted", "condemned"), [
-    (150.0, 100.0, False),  # the model's best, scaled by 0.95 (how the measured fared): 142 a second
-    (120.0, 100.0, True),  # 114 a second: within EARLY_OVERRULE of plain's 100
-    (200.0, 200.0, True),  # the model over-predicted the measured options twofold: 95 a second
-    (300.0, 100.0, True),  # the model's best is plain SD at another gamma: a family measured slower
+@pytest.mark.parametrize(("best", "predicted", "rounds", "condemned"), [
+    (150.0, 100.0, 1, False),  # the model's best, scaled by 0.95 (how the measured fared): 142 a second
+    (120.0, 100.0, 1, True),  # 114 a second: within EARLY_OVERRULE of plain's 100
+    # The model predicted 2.5 times what the measured options ran (80 a second). Shrunk alike towards plain's 100,
+    # one round each fared 95 / 125: the best, 152 a second, wins; twelve rounds each, 86 / 171: 101 a second.
+    (200.0, 200.0, 1, False),
+    (200.0, 200.0, 12, True),
+    (300.0, 100.0, 1, True),  # the model's best is plain SD at another gamma: a family measured slower
 ])
 def test_rounds_measured_slower_are_overruled_where_the_models_best_option_clearly_wins(monkeypatch, best, predicted,
-                                                                                        condemned):
+                                                                                        rounds, condemned):
     """Measured rounds slower than plain (here plain SD and the narrowest SSD, what a first call runs) condemn the
     loop early unless the option the model rates best is of a family not measured and, scaled by how the measured
     options fared against its predictions, beats plain's step by EARLY_OVERRULE (an idle accelerator's small
-    batch: the wide fan-outs the first call never ran win)."""
-    from hf_ssd.scheduling.schedule import Option
+    batch: the wide fan-outs the first call never ran win). How they fared compares each shrunk measurement with
+    its prediction shrunk alike: a round or two say little about the model either."""
+    from hf_ssd.scheduling.schedule import Option, Prediction
 
     plan, costs, measured = rounds_slower_than_plain()
     for o in measured:  # 95 a second once shrunk towards plain's 100 (4 tokens in 0.05 s, then 3 rounds of 0.05 s)
         assert costs.measured_rate(o, toward=100) == pytest.approx(95)
+        for _ in range(rounds - 1):
+            costs.add_round_outcome(o, 4, 0.05, Prediction(tokens=4.0, seconds=0.01))
     model_rates(monkeypatch, measured, Option("sd", 5) if best == 300.0 else Option("ssd", 4, 16), best, predicted)
     assert plan._condemned_early(4, 100, 64) is condemned
 

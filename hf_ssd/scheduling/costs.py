@@ -422,11 +422,18 @@ class CostModel:
         sums = self.outcomes.get(option)
         if sums is None or sums[3] <= 0:
             return 0.0
-        weight, tokens, _, seconds, _ = sums
-        if toward is None:
-            return tokens / seconds
+        rate = sums[1] / sums[3]
+        return rate if toward is None else self.shrunk_rate(option, rate, toward, prior_rounds)
+
+    def shrunk_rate(self, option, rate: float, toward: float, prior_rounds: float = 3.0) -> float:
+        """`rate` as `measured_rate(option, toward)` reads it where the option's own rounds ran at that rate: a
+        prediction compared with a shrunk measurement is shrunk alike (`toward` where none ran)."""
+        sums = self.outcomes.get(option)
+        if sums is None or sums[3] <= 0:
+            return toward
+        weight, _, _, seconds, _ = sums
         prior_s = prior_rounds * seconds / weight
-        return (tokens + prior_s * toward) / (seconds + prior_s)
+        return (rate * seconds + prior_s * toward) / (seconds + prior_s)
 
     @_locked
     def add_record(self, seconds: float) -> None:
