@@ -28,7 +28,7 @@ NEW_CALL_KEEP = 0.5  # weight of earlier calls' acceptance statistics when a new
 CALL_PRIOR_ROUNDS = 2.0
 CALL_HISTORY = 16  # calls whose own acceptance `call_acceptances` keeps (schedule.Scheduler.trial_pays)
 MISS_PRIOR = 2.0  # predicted misses a budget's own miss ratio needs to outweigh the pooled one
-# Rounds a budget's own overhead needs to outweigh the mean over all budgets (`overhead_for(pooled=True)`): beside
+# Rounds a budget's own overhead needs to outweigh the mean over all budgets (`overhead_for(beside=True)`): beside
 # the verify a job's critical-path time is mostly waits of a few ms in some rounds, and seven rounds' worth of them
 # (the decay) differed by 1-1.5 ms between budgets whose rounds' medians differed by 0.1 (simulated device, B = 8).
 OVERHEAD_PRIOR = 4.0
@@ -665,7 +665,7 @@ class CostModel:
         e = self._nearest(self.overhead, budget)
         if e is None or e.value is None:
             return 0.0
-        if not (beside and self.idle_beside_jobs()):
+        if not (beside and self.memoized(("idle",), self.idle_beside_jobs)):  # a decision asks per option
             return e.value
         measured = [x for x in self.overhead.values() if x.weight > 0]
         mean = sum(x.total for x in measured) / sum(x.weight for x in measured)
