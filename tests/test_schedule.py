@@ -744,7 +744,7 @@ def test_calibrated_hit_rate_converges_to_the_measured_one(true_hit):
 def test_a_batchs_lookups_count_once_a_round_so_its_calibration_reaches_rare_misses():
     """A batch looks up every row each round: its miss counts decay once a round, not once a lookup. Decayed per
     lookup, 8 rows kept about 2.5 rounds of them, and where the model predicts few misses the prior (2 misses at
-    the model's rate) outweighed the budget's own: a budget that hit 70% of its lookups stayed rated 0.74."""
+    the model's rate) outweighed the budget's own: a budget that hit 70% of its lookups stayed rated 0.75."""
     costs = fed_costs(0.7, 0.1, lambda b: 0.1, 0.02, lambda w: 0.02, RANKS)
     s = Scheduler(SSDConfig(), costs, [Option("ssd", 3, 64)], Option("ssd", 3, 64), inline=False)
     raw = s.hit_rate(64, 3, costs.acceptance, calibrated=False)
