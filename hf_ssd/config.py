@@ -102,8 +102,15 @@ class SSDConfig:
             `"auto"` (default): float32 CPU layers compute few-row products as (W @ x^T)^T where that is faster on
             this CPU, timed once per process on the draft's layers (on a 2-vCPU AMD EPYC 2.8-4.7x as fast as
             `linear` for 1-4 rows, on a 2-vCPU Intel Xeon half as fast); `"transposed"`: that for every floating-point CPU
-            layer, untimed; `"stock"`: the draft runs as given. Never the target (its computation
-            stays exactly transformers'), and restored when the call ends.
+            layer, untimed; `"stock"`: the draft runs as given. Restored when the call ends.
+        verify_matmul: the same for the target's `nn.Linear` layers, in its verify forwards only (those that score
+            drafted candidates, up to 8 tokens in all; `hf_ssd/drafting/matmul.py`). `"auto"` (default): float32
+            CPU layers where the transposed product timed faster at 2-4 rows on this CPU (on a 2-vCPU AMD EPYC the
+            1.5B target verified 4 tokens in 0.35 s against 0.84 s, about one one-token step); `"transposed"`:
+            untimed; `"stock"`: transformers' product. A verify already rounds its last bits unlike the target's
+            one-token steps with either product; those steps, the prompt's prefill and plain batched decoding
+            always keep transformers' product. hf_ssd's loop only: the one-prompt settings that run transformers'
+            assisted loop (`pipeline_depth` > 1, `eviction`, the static draft) refuse `"transposed"`.
     """
 
     gamma: int = 4
@@ -127,6 +134,7 @@ class SSDConfig:
     cuda_graphs: bool | None = None
     schedule: Literal["auto", "fixed"] = "auto"
     draft_matmul: Literal["auto", "transposed", "stock"] = "auto"
+    verify_matmul: Literal["auto", "transposed", "stock"] = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -225,6 +233,7 @@ class SSDConfig:
                                  "shapes. Remove static_draft=False (or set cuda_graphs=False).")
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("draft_matmul", self.draft_matmul, DRAFT_MATMULS)
+        _check_choice("verify_matmul", self.verify_matmul, DRAFT_MATMULS)
         if self.eviction != "probability" and self.pipeline_depth == 1:
             raise SSDConfigError(f"SSDConfig.eviction={self.eviction!r} acts only with pipeline_depth > 1: at depth 1 "
                                  "a round's entries never exceed cache_size, so nothing is evicted. Set "

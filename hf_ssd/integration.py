@@ -26,7 +26,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 
 from .config import SSDConfig
 from .drafting.kvcache import check_draft, stateful_reason
-from .drafting.matmul import draft_matmul
+from .drafting.matmul import draft_matmul, verify_matmul
 from .drafting.probe import probe_draft
 from .layouts import resolve_layout, thread_settings
 from .loop import batch as batch_loop
@@ -82,7 +82,7 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
     def costs(top_k: int):  # the estimates of this pair, kept across calls
         return cost_model_for(self, assistant_model, assistant_model.device, call["layout"],
                               bool(generation_config.do_sample), top_k, config.initial_acceptance,
-                              config.draft_matmul)
+                              config.draft_matmul, "stock")  # transformers' assisted loop: its own verify
 
     gen = SSDCandidateGenerator(
         assistant_model, config, generation_config, logits_processor, call["layout"],
@@ -149,6 +149,11 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
                                                   and not _static_draft(config, draft)
                                                   and not _right_padded(model, args, kwargs))
     _validate_call(model, draft, args, kwargs, batch_path)
+    if not batch_path and config.verify_matmul == "transposed":
+        raise SSDUsageError(
+            "SSDConfig(verify_matmul='transposed') acts in hf_ssd's loop, and this call runs transformers' assisted "
+            f"loop for one prompt ({', '.join(_one_prompt_config(config)) or 'a static draft or a right-padded prompt'}"
+            "), whose verify keeps transformers' product. Remove verify_matmul or those settings.")
     layout = resolve_layout(config.layout, model, draft)
     if batch_path:
         _check_batch_config(config, rows)
@@ -203,7 +208,8 @@ def _batched_generate(model, draft, config: SSDConfig, args, kwargs, start: floa
     stats.setup_time = time.perf_counter() - start
     _active.call = {"model": model}
     try:
-        with thread_settings(layout, config, model) as cpu_threads, draft_matmul(draft, config.draft_matmul, model):
+        with thread_settings(layout, config, model) as cpu_threads, draft_matmul(draft, config.draft_matmul, model), \
+                verify_matmul(model, config.verify_matmul):
             # transformers hands a callable neither the draft nor the streamer: the loop gets them bound.
             decode = functools.partial(batch_loop.decode, ssd_draft=draft, ssd_config=config, ssd_stats=stats,
                                        ssd_layout=layout, ssd_hooks=hooks, ssd_streamer=streamer,

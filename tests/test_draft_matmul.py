@@ -71,7 +71,7 @@ def test_auto_patches_only_where_the_transposed_product_timed_faster(monkeypatch
     timed = []
     for verdict, patched in (("linear", False), ("transposed", True)):
         matmul._verdicts.clear()
-        monkeypatch.setattr(matmul, "_time_products", lambda sample, v=verdict: (timed.append(sample), v)[1])
+        monkeypatch.setattr(matmul, "_time_products", lambda sample, rows, v=verdict: (timed.append(sample), v)[1])
         for _ in range(2):  # the second call reuses the verdict
             with matmul.draft_matmul(draft, "auto") as n:
                 assert (n > 0) is patched

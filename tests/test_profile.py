@@ -147,7 +147,7 @@ def test_saved_profile_is_loaded_by_new_estimates_and_reported(pair, profiles_on
     saved = json.loads(path.read_text())
     assert saved["versions"] == profile.versions() and saved["written_by"] == "test"
     [(name, entry)] = saved["entries"].items()
-    assert name == "thread/greedy/top_k=65/draft_matmul=auto" and entry["calibration"]["bins"] == 10
+    assert name == "thread/greedy/top_k=65/draft_matmul=auto/verify_matmul=auto" and entry["calibration"]["bins"] == 10
     rounds = entry["costs"]["rounds_seen"]
 
     reset_estimates(target)  # as a new process: the pair's estimates are created again, from the profile
@@ -245,7 +245,7 @@ def test_save_is_atomic_and_keeps_other_entries(pair, profiles_on, monkeypatch):
     target, draft = pair
     [path] = measured(target, draft)
     data = json.loads(path.read_text())
-    data["entries"]["thread/sample/top_k=65/draft_matmul=auto"] = data["entries"]["thread/greedy/top_k=65/draft_matmul=auto"]
+    data["entries"]["thread/sample/top_k=65/draft_matmul=auto/verify_matmul=auto"] = data["entries"]["thread/greedy/top_k=65/draft_matmul=auto/verify_matmul=auto"]
     path.write_text(json.dumps(data))
     before = path.read_bytes()
 

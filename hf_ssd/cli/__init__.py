@@ -88,6 +88,8 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
                    help="CUDA graphs for the static draft steps (default: auto, on for CUDA drafts)")
     g.add_argument("--draft-matmul", choices=DRAFT_MATMULS, default=d.draft_matmul,
                    help="the draft's CPU linear layers: auto (float32: the faster transposed product), transposed, stock")
+    g.add_argument("--verify-matmul", choices=DRAFT_MATMULS, default=d.verify_matmul,
+                   help="the target's CPU linear layers in verify forwards: auto, transposed, stock (as --draft-matmul)")
 
 
 def _tristate(text: str):
@@ -101,7 +103,7 @@ def ssd_options(args) -> dict:
     """The SSDConfig fields given on the command line (gamma/layout only where the command has them)."""
     keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "pipeline_depth", "eviction", "fallback", "fallback_gamma",
             "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs", "schedule",
-            "draft_matmul"]
+            "draft_matmul", "verify_matmul"]
     options = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     for key in ("gamma", "fallback"):  # not given: SSDConfig's default, which the scheduler may tune
         if options.get(key) is None:

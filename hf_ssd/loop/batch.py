@@ -40,6 +40,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..drafting.batch import BatchDrafter
 from ..drafting.drafter import CONTEXT_FREE
 from ..drafting.fallback import ngram_lookup
+from ..drafting.matmul import verifying
 from ..drafting.probe import step_seconds
 from ..scheduling.costs import cost_model_for, estimates_of
 from ..scheduling.schedule import (
@@ -192,7 +193,7 @@ class BatchPlan:
             default = self.default if self.default in options else options[0]
             costs = cost_model_for(self.target, self.draft, self.draft.device, estimates_key(size, self.layout),
                                    self.do_sample, self.top_k, self.config.initial_acceptance,
-                                   self.config.draft_matmul)
+                                   self.config.draft_matmul, self.config.verify_matmul)
             with costs.lock:
                 costs.new_call()
                 if costs.draft_step_hint is None:  # what a warm-up prices a draft step at before any is measured
@@ -347,7 +348,7 @@ class BatchPlan:
         names = {estimates_key(s, self.layout): s for s in (1 << i for i in range(12))}
         return {names[key[2]]: costs for key, costs in estimates_of(self.target, self.draft)
                 if key[2] in names and key[1] == str(self.draft.device)
-                and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul)}
+                and key[3:] == (self.do_sample, self.top_k, self.config.draft_matmul, self.config.verify_matmul)}
 
 
 def estimates_key(size: int, layout: str) -> str:
@@ -911,7 +912,8 @@ def _verify(target: RaggedCache, feed, launched: Callable[[], None]):
     """4. One target forward over every row's `_verify_feed`; `launched` is called as it starts. Returns (logits
     [rows, G + 1, V] at the last unverified token and at every candidate position, tokens fed per row)."""
     block, g, fed = feed
-    return target.run(block, keep_last=g + 1, launched=launched), fed
+    with verifying(g > 0):  # candidates to score: the target's verify product (`SSDConfig.verify_matmul`)
+        return target.run(block, keep_last=g + 1, launched=launched), fed
 
 
 def _accept(rnd: Round, scores: list[torch.Tensor], do_sample: bool) -> list[list[int]]:

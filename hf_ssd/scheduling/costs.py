@@ -790,18 +790,19 @@ _models_lock = threading.Lock()
 
 
 def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: int,
-                   initial_acceptance: float, draft_matmul: str = "auto") -> CostModel:
+                   initial_acceptance: float, draft_matmul: str = "auto", verify_matmul: str = "auto") -> CostModel:
     """The estimates of this pair on this device, created on first use; a second call starts informed.
 
     Keyed on the target object (weakly: they go with it) and the draft's identity, device, layout, mode
-    (acceptance differs between greedy and sampling) and `draft_matmul` (it changes the draft's step times).
+    (acceptance differs between greedy and sampling), `draft_matmul` (it changes the draft's step times) and
+    `verify_matmul` (the verify's).
     The draft is held by id only, so a new draft that reuses a freed one's id inherits its estimates; that
     costs at most some exploration, never exactness.
 
     A model created here for the first time in a process starts from the pair's saved tuning profile where one
     matches (`hf_ssd.scheduling.profile`: written by `hf-ssd tune`; HF_SSD_NO_PROFILE=1 ignores it).
     """
-    key = (id(draft), str(device), layout, bool(do_sample), top_k, draft_matmul)
+    key = (id(draft), str(device), layout, bool(do_sample), top_k, draft_matmul, verify_matmul)
     with _models_lock:
         per_target = _models.setdefault(target, {})
         model = per_target.get(key)
@@ -811,7 +812,7 @@ def cost_model_for(target, draft, device, layout: str, do_sample: bool, top_k: i
             model.draft_share = _parameter_share(draft, target)
             from . import profile  # it reads the models' weights and files: only on a model's first use
 
-            profile.attach(model, target, draft, layout, bool(do_sample), top_k, draft_matmul)
+            profile.attach(model, target, draft, layout, bool(do_sample), top_k, draft_matmul, verify_matmul)
         return model
 
 

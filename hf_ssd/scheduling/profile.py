@@ -182,9 +182,10 @@ def profile_path(fields: dict) -> Path:
     return profiles_dir() / f"{profile_key(fields)}.json"
 
 
-def entry_name(layout: str, do_sample: bool, top_k: int, draft_matmul: str) -> str:
+def entry_name(layout: str, do_sample: bool, top_k: int, draft_matmul: str, verify_matmul: str) -> str:
     """The entry of a profile for one in-process estimates key (`costs.cost_model_for`, less the device)."""
-    return f"{layout}/{'sample' if do_sample else 'greedy'}/top_k={top_k}/draft_matmul={draft_matmul}"
+    return (f"{layout}/{'sample' if do_sample else 'greedy'}/top_k={top_k}/draft_matmul={draft_matmul}"
+            f"/verify_matmul={verify_matmul}")
 
 
 # ----------------------------------------------------------------------------------------------- read / load
@@ -225,7 +226,8 @@ def read(path: Path, fields: dict, quiet: bool = False) -> dict | None:
     return data
 
 
-def attach(model, target, draft, layout: str, do_sample: bool, top_k: int, draft_matmul: str) -> str | None:
+def attach(model, target, draft, layout: str, do_sample: bool, top_k: int, draft_matmul: str,
+           verify_matmul: str) -> str | None:
     """Called where a pair's `CostModel` is created (`costs.cost_model_for`): remember its profile fields for `save`
     and, unless profiles are off or ignored, load its entry of the pair's profile. Returns the profile path loaded
     (also set as `model.profile`), or None. Never raises: a profile only saves exploration."""
@@ -240,7 +242,7 @@ def attach(model, target, draft, layout: str, do_sample: bool, top_k: int, draft
         data = read(path, fields)
         if data is None:
             return None
-        name = entry_name(layout, do_sample, top_k, draft_matmul)
+        name = entry_name(layout, do_sample, top_k, draft_matmul, verify_matmul)
         entry = data["entries"].get(name)
         if entry is None:
             logger.info("hf_ssd: tuning profile %s has no estimates for %s (it has: %s); starting from the priors",
@@ -320,7 +322,7 @@ def save(target, draft, source: str = "hf-ssd tune") -> list[Path]:
 
     groups: dict[Path, tuple[dict, dict]] = {}
     for key, model in estimates_of(target, draft):
-        _, _, layout, do_sample, top_k, draft_matmul = key
+        _, _, layout, do_sample, top_k, draft_matmul, verify_matmul = key
         with model.lock:
             state = model.state_dict()
         if not state["rounds_seen"]:
@@ -328,7 +330,7 @@ def save(target, draft, source: str = "hf-ssd tune") -> list[Path]:
         fields = _fields.get(model) or profile_fields(target, draft)
         path = profile_path(fields)
         entries = groups.setdefault(path, (fields, {}))[1]
-        entries[entry_name(layout, do_sample, top_k, draft_matmul)] = {
+        entries[entry_name(layout, do_sample, top_k, draft_matmul, verify_matmul)] = {
             "costs": state, "calibration": _calibration_state(draft, do_sample)}
     written = []
     for path, (fields, entries) in groups.items():
