@@ -105,7 +105,7 @@ class SSDConfig:
             layer, untimed; `"stock"`: the draft runs as given. Restored when the call ends.
         verify_matmul: the same for the target's `nn.Linear` layers, in its verify forwards only (those that score
             drafted candidates, up to 8 tokens in all; `hf_ssd/drafting/matmul.py`). `"auto"` (default): float32
-            CPU layers where the transposed product timed faster at 2-4 rows on this CPU (on a 2-vCPU AMD EPYC the
+            CPU layers where the transposed product timed faster at 4 rows on this CPU (on a 2-vCPU AMD EPYC the
             1.5B target verified 4 tokens in 0.35 s against 0.84 s, about one one-token step); `"transposed"`:
             untimed; `"stock"`: transformers' product. A verify already rounds its last bits unlike the target's
             one-token steps with either product; those steps, the prompt's prefill and plain batched decoding

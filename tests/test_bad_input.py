@@ -94,6 +94,7 @@ CONFIG_CASES = [
     ({"pipeline_depth": 2, "layout": "inline"}, "SSDConfig.pipeline_depth > 1 needs an overlapping layout"),
     ({"pipeline_depth": 2, "static_draft": True}, "SSDConfig.pipeline_depth > 1 needs the dynamic draft path"),
     ({"draft_matmul": "fast"}, "SSDConfig.draft_matmul must be one of ['auto', 'transposed', 'stock']"),
+    ({"verify_matmul": "fast"}, "SSDConfig.verify_matmul must be one of ['auto', 'transposed', 'stock']"),
     ({"eviction": "fifo"}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
     ({"eviction": None}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
     ({"eviction": "lru"}, "SSDConfig.eviction='lru' acts only with pipeline_depth > 1"),
@@ -200,6 +201,10 @@ USAGE_CASES = {
     "batch_with_streamer": (
         {"prompt": torch.tensor([[5, 6], [7, 8]]), "streamer": BaseStreamer()},
         "A streamer takes one sequence; this batch has 2. Remove streamer=",
+    ),
+    "transposed_verify_on_the_one_prompt_path": (
+        {"ssd_config": SSDConfig(verify_matmul="transposed", pipeline_depth=2)},
+        "SSDConfig(verify_matmul='transposed') acts in hf_ssd's loop, and this call runs transformers' assisted loop",
     ),
 }
 

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # above this the stock kernel is as fast (measured: 1.1x at 8 rows, equal at 16)
 TIMED_ROWS = (1, 4)  # the draft's usual steps: one trunk row, a few branches
-VERIFY_ROWS = (2, 4)  # a batch-1 verify of 1-3 candidates (the target's product is timed there)
+VERIFY_ROWS = (4,)  # a batch-1 verify of 3 candidates (the target's product is timed there) ...
+VERIFY_TIMED_LAYERS = 2  # ... on 2 layers: the 1.5B target's 4 took 0.32-0.40 s at 2 and 4 rows, paid by a first call
 TIMED_LAYERS = 4  # distinct weights, so that the timing streams them from memory as a real step does
 TIMED_MIN_PARAMS = 1 << 20  # smaller weights keep the transposed product untimed: microsecond timings are noise
 
@@ -95,18 +96,19 @@ _verdicts: dict = {}  # (weight shape, dtype, torch threads) -> whether the tran
 
 
 @torch.no_grad()
-def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED_ROWS, small: bool = True) -> bool:
+def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED_ROWS, small: bool = True,
+                    count: int = TIMED_LAYERS) -> bool:
     """Whether the transposed product beats `linear` on this CPU for `layers`' commonest weight shape (by
-    parameters), timed once per process and thread count over up to TIMED_LAYERS of those layers at `rows`
-    rows, the best of three passes of each; a tie keeps `linear`. Weights under TIMED_MIN_PARAMS are not timed:
-    the answer is `small`."""
+    parameters), timed once per process and thread count over up to `count` of those layers at `rows` rows, the
+    best of three passes of each; a tie keeps `linear`. Weights under TIMED_MIN_PARAMS are not timed: the answer
+    is `small`."""
     if not layers:
         return False
     weight = {}
     for m in layers:
         weight[tuple(m.weight.shape)] = weight.get(tuple(m.weight.shape), 0) + m.weight.numel()
     shape = max(weight, key=weight.get)
-    sample = [m for m in layers if tuple(m.weight.shape) == shape][:TIMED_LAYERS]
+    sample = [m for m in layers if tuple(m.weight.shape) == shape][:count]
     if sample[0].weight.numel() < TIMED_MIN_PARAMS:  # cheap either way: a stable choice for tiny models
         return small
     key = (shape, sample[0].weight.dtype, torch.get_num_threads(), tuple(rows))
@@ -165,7 +167,9 @@ def verify_matmul(target: torch.nn.Module, mode: str):
 
     def layers():
         found = [m for m in target.modules() if wanted(mode, m)]
-        return [] if mode == "auto" and not transposed_pays(found, VERIFY_ROWS, small=False) else found
+        if mode == "auto" and not transposed_pays(found, VERIFY_ROWS, small=False, count=VERIFY_TIMED_LAYERS):
+            return []
+        return found
 
     with _patched("verify", target, layers, _verify_forward) as n:
         yield n
