@@ -40,10 +40,12 @@ def target_calls(monkeypatch):
     calls = []
     inner = matmul._transposed_forward
 
-    def counting(self, x):
-        if getattr(self, "_verify_probe", False):
+    def counting(self, x, *limit):
+        out = inner(self, x, *limit)
+        rows = x.numel() // x.shape[-1]
+        if getattr(self, "_verify_probe", False) and rows <= (limit[0] if limit else matmul.MAX_ROWS):
             calls.append((x.shape[-2] if x.dim() == 3 else 1, threading.current_thread()))
-        return inner(self, x)
+        return out
 
     monkeypatch.setattr(matmul, "_transposed_forward", counting)
     return calls
@@ -143,20 +145,40 @@ def test_stock_and_auto_on_tiny_weights_leave_the_target_alone(pair, target_call
         assert n == 0
 
 
-def test_auto_times_the_targets_layers_at_verify_rows(monkeypatch):
+@pytest.mark.parametrize("verdicts", [("linear",), ("transposed", "linear"), ("transposed", "transposed")])
+def test_auto_times_the_targets_layers_at_verify_rows(monkeypatch, verdicts):
+    """At VERIFY_ROWS first; where the product won there, at VERIFY_WIDE_ROWS too, which sets the largest verify
+    (tokens in all) that takes it."""
     model = make_model(0).float()
     monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)
+    matmul._verdicts.clear()
     timed = []
-    for verdict, patched in (("linear", False), ("transposed", True)):
-        matmul._verdicts.clear()
-        monkeypatch.setattr(matmul, "_time_products", lambda sample, rows, v=verdict: (timed.append(rows), v)[1])
-        with matmul.verify_matmul(model, "auto") as n:
-            assert (n > 0) is patched
-            with matmul.verify_matmul(model, "auto") as m:  # a concurrent call shares the patch
-                assert m == n
-            assert ("forward" in model.model.layers[0].mlp.up_proj.__dict__) is patched
-        assert not [m for m in model.modules() if "forward" in m.__dict__]
-    assert timed == [matmul.VERIFY_ROWS] * 2
+    answers = iter(verdicts)
+    monkeypatch.setattr(matmul, "_time_products", lambda sample, rows: (timed.append(rows), next(answers))[1])
+    layer = model.model.layers[0].mlp.up_proj
+    with matmul.verify_matmul(model, "auto") as n:
+        assert (n > 0) is (verdicts[0] == "transposed")
+        with matmul.verify_matmul(model, "auto") as m:  # a concurrent call shares the patch (and the timing)
+            assert m == n
+        if n:
+            limit = matmul.VERIFY_WIDE_ROWS if verdicts[1] == "transposed" else matmul.MAX_ROWS
+            assert layer.forward.__func__.keywords == {"max_rows": limit}
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    assert timed == [matmul.VERIFY_ROWS, (matmul.VERIFY_WIDE_ROWS,)][:len(verdicts)]
+
+
+@pytest.mark.parametrize("limit", [8, 16])
+def test_a_verify_takes_the_product_up_to_its_limit_in_tokens(monkeypatch, limit):
+    layer = torch.nn.Linear(8, 16).double()
+    seen = []
+    inner = matmul.F.linear
+    monkeypatch.setattr(matmul, "F", type("F", (), {"linear": staticmethod(
+        lambda x, w, b: (seen.append(x.numel() // x.shape[-1]), inner(x, w, b))[1])}))
+    with matmul.verifying():
+        for tokens in (2, 8, 12, 16, 17):
+            x = torch.randn(1, tokens, 8, dtype=torch.float64)
+            torch.testing.assert_close(matmul._verify_forward(layer, x, limit), inner(x, layer.weight, layer.bias))
+    assert seen == [t for t in (2, 8, 12, 16, 17) if t > limit]
 
 
 def test_verifying_is_per_thread_and_restores():
@@ -166,7 +188,8 @@ def test_verifying_is_per_thread_and_restores():
         calls = []
         real = matmul._transposed_forward
         try:
-            matmul._transposed_forward = lambda self, x: (calls.append(threading.current_thread()), real(self, x))[1]
+            matmul._transposed_forward = lambda self, x, *a: (calls.append(threading.current_thread()),
+                                                              real(self, x, *a))[1]
             x = torch.randn(2, 8, dtype=torch.float64)
             layer(x)
             with matmul.verifying():
@@ -194,8 +217,8 @@ def test_sampling_matches_target_with_the_transposed_verify(monkeypatch):
     target, draft = sampling_pair()
     calls = [0]
     inner = matmul._transposed_forward
-    monkeypatch.setattr(matmul, "_transposed_forward", lambda self, x: (calls.__setitem__(0, calls[0] + 1),
-                                                                        inner(self, x))[1])
+    monkeypatch.setattr(matmul, "_transposed_forward", lambda self, x, *a: (calls.__setitem__(0, calls[0] + 1),
+                                                                            inner(self, x, *a))[1])
     joint = exact_joint(target)
     config = SSDConfig(gamma=2, layout="inline", schedule="fixed", fanout_budget=2, verify_matmul="transposed",
                        **QUIET)

@@ -28,6 +28,7 @@ transposed against 0.84 s (a one-token step: 0.38 s), which is what makes SD pay
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import types
@@ -41,6 +42,9 @@ MAX_ROWS = 8  # above this the stock kernel is as fast (measured: 1.1x at 8 rows
 TIMED_ROWS = (1, 4)  # the draft's usual steps: one trunk row, a few branches
 VERIFY_ROWS = (4,)  # a batch-1 verify of 3 candidates (the target's product is timed there) ...
 VERIFY_TIMED_LAYERS = 2  # ... on 2 layers: the 1.5B target's 4 took 0.32-0.40 s at 2 and 4 rows, paid by a first call
+# ... and then at this many: where also faster there, verifies up to it take the product (long SD drafts, B = 2-4).
+# Measured on a 2-vCPU AMD EPYC: the 1.5B target's 16-token verify 0.84 s against 1.10 s.
+VERIFY_WIDE_ROWS = 16
 TIMED_LAYERS = 4  # distinct weights, so that the timing streams them from memory as a real step does
 TIMED_MIN_PARAMS = 1 << 20  # smaller weights keep the transposed product untimed: microsecond timings are noise
 
@@ -50,9 +54,9 @@ _active = {"draft": weakref.WeakKeyDictionary(), "verify": weakref.WeakKeyDictio
 _verifying = threading.local()  # .on: this thread runs a verify forward (`verifying`)
 
 
-def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0 or rows > MAX_ROWS or x.dtype != self.weight.dtype or x.device != self.weight.device:
+    if rows == 0 or rows > max_rows or x.dtype != self.weight.dtype or x.device != self.weight.device:
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:  # one row is a matrix-vector product either way; two rows take the fast path
@@ -63,10 +67,11 @@ def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-def _verify_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A target layer: the transposed product inside `verifying()` on this thread, else transformers' own."""
+def _verify_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """A target layer: the transposed product inside `verifying()` on this thread (up to `max_rows` tokens in
+    all), else transformers' own."""
     if getattr(_verifying, "on", False):
-        return _transposed_forward(self, x)
+        return _transposed_forward(self, x, max_rows)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -147,43 +152,49 @@ def draft_matmul(draft: torch.nn.Module | None, mode: str, target: torch.nn.Modu
         yield 0
         return
 
-    def layers():
+    def plan():
         shared = {id(m) for m in target.modules()} if target is not None else set()
         found = [m for m in draft.modules() if wanted(mode, m) and id(m) not in shared]
-        return [] if mode == "auto" and not transposed_pays(found) else found
+        return ([] if mode == "auto" and not transposed_pays(found) else found), _transposed_forward
 
-    with _patched("draft", draft, layers, _transposed_forward) as n:
+    with _patched("draft", draft, plan) as n:
         yield n
 
 
 @contextlib.contextmanager
 def verify_matmul(target: torch.nn.Module, mode: str):
     """For one generate call: the target's CPU linear layers take the transposed product in its verify forwards
-    (`verifying`), where "auto" timed it faster at VERIFY_ROWS rows (see module doc); tiny weights keep `linear`.
+    (`verifying`), where "auto" timed it faster at VERIFY_ROWS rows (see module doc), in verifies of up to
+    MAX_ROWS tokens in all, or VERIFY_WIDE_ROWS where it also timed faster there; tiny weights keep `linear`.
     Concurrent calls on one target share the patch, as `draft_matmul`'s do."""
     if mode == "stock":
         yield 0
         return
 
-    def layers():
+    def plan():
         found = [m for m in target.modules() if wanted(mode, m)]
-        if mode == "auto" and not transposed_pays(found, VERIFY_ROWS, small=False, count=VERIFY_TIMED_LAYERS):
-            return []
-        return found
+        if mode == "transposed":
+            return found, functools.partial(_verify_forward, max_rows=VERIFY_WIDE_ROWS)
+        if not transposed_pays(found, VERIFY_ROWS, small=False, count=VERIFY_TIMED_LAYERS):
+            return [], None
+        wide = transposed_pays(found, (VERIFY_WIDE_ROWS,), small=False, count=VERIFY_TIMED_LAYERS)
+        return found, functools.partial(_verify_forward, max_rows=VERIFY_WIDE_ROWS if wide else MAX_ROWS)
 
-    with _patched("verify", target, layers, _verify_forward) as n:
+    with _patched("verify", target, plan) as n:
         yield n
 
 
 @contextlib.contextmanager
-def _patched(role: str, model: torch.nn.Module, layers: Callable[[], list], forward):
-    """`forward` on `layers()` of `model` while any call of this role uses it; then each layer's own again."""
+def _patched(role: str, model: torch.nn.Module, plan: Callable[[], tuple[list, Callable]]):
+    """`plan()`'s (layers, forward): `forward` on those layers of `model` while any call of this role uses it,
+    then each layer's own again."""
     active = _active[role]
     with _lock:
         entry = active.get(model)
         if entry is None:
             saved = {}
-            for m in layers():
+            layers, forward = plan()
+            for m in layers:
                 saved[m] = m.__dict__.get("forward")  # an instance-level forward someone set: put back
                 m.forward = types.MethodType(forward, m)
             entry = active[model] = [0, saved]
