@@ -110,7 +110,7 @@ class SSDConfig:
             step); `"transposed"`: untimed, up to 16 tokens; `"stock"`: transformers' product. A verify already rounds its last bits unlike the target's
             one-token steps with either product; those steps, the prompt's prefill and plain batched decoding
             always keep transformers' product. hf_ssd's loop only: the one-prompt settings that run transformers'
-            assisted loop (`pipeline_depth` > 1, `eviction`, the static draft) refuse `"transposed"`.
+            assisted loop (`pipeline_depth` > 1, `eviction`, `static_draft`, `cuda_graphs`) refuse `"transposed"`.
     """
 
     gamma: int = 4

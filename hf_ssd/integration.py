@@ -149,11 +149,12 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
                                                   and not _static_draft(config, draft)
                                                   and not _right_padded(model, args, kwargs))
     _validate_call(model, draft, args, kwargs, batch_path)
-    if not batch_path and config.verify_matmul == "transposed":
+    if not batch_path and config.verify_matmul == "transposed" and _one_prompt_config(config):
+        # (A prompt ending in a masked column also runs that loop; its verify then keeps transformers' product.)
         raise SSDUsageError(
             "SSDConfig(verify_matmul='transposed') acts in hf_ssd's loop, and this call runs transformers' assisted "
-            f"loop for one prompt ({', '.join(_one_prompt_config(config)) or 'a static draft or a right-padded prompt'}"
-            "), whose verify keeps transformers' product. Remove verify_matmul or those settings.")
+            f"loop for one prompt ({', '.join(_one_prompt_config(config))}), whose verify keeps transformers' "
+            "product. Remove verify_matmul or those settings.")
     layout = resolve_layout(config.layout, model, draft)
     if batch_path:
         _check_batch_config(config, rows)

@@ -76,6 +76,7 @@ def models(target, random_draft):
 def ssd_configs(draw) -> SSDConfig:
     gamma = draw(st.integers(1, 8))
     fallback = draw(st.sampled_from(FALLBACKS))
+    static = draw(st.none() | st.booleans())
     fanout = draw(st.one_of(
         st.sampled_from(["geometric", "calibrated"]), st.lists(st.integers(0, 4), min_size=gamma + 1, max_size=gamma + 1),
     ))
@@ -96,9 +97,12 @@ def ssd_configs(draw) -> SSDConfig:
         cpu_threads=draw(st.none() | st.just(1)),
         hit_rate_warning=0.0,
         record_timeline=draw(st.booleans()),
-        static_draft=draw(st.none() | st.booleans()),  # on CPU: None is the dynamic path, True the static one
+        static_draft=static,  # on CPU: None is the dynamic path, True the static one
         schedule=draw(st.sampled_from(SCHEDULES)),
         draft_matmul=draw(st.sampled_from(DRAFT_MATMULS)),  # "transposed": the fast product on the float64 draft
+        # "transposed": the target's verify on the float64 target; a static_draft setting (transformers' assisted
+        # loop) refuses it
+        verify_matmul=draw(st.sampled_from(DRAFT_MATMULS if static is None else ("auto", "stock"))),
     )
 
 
@@ -220,6 +224,7 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "cuda_graphs": st.none() | st.booleans(),
     "schedule": st.sampled_from(SCHEDULES),
     "draft_matmul": st.sampled_from(DRAFT_MATMULS),
+    "verify_matmul": st.sampled_from(DRAFT_MATMULS),
 }
 assert set(VALID) == set(SSDConfig.__dataclass_fields__)
 
