@@ -1,4 +1,5 @@
-"""The draft's linear layers on CPU: the same product, computed the way the CPU kernels run it fastest.
+"""The CPU linear layers of the draft, and of the target in its verify forwards: the same product, computed the way
+the CPU kernels run it fastest.
 
 Why: torch's CPU float32 `linear` (x @ W^T) on a few rows can take a matrix-vector path per row. Measured on
 one 2-core machine of the kind this project runs on (`python scripts/matmul_bench.py --real`, torch 2.13, an 8960 x 1536
