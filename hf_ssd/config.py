@@ -107,9 +107,9 @@ class SSDConfig:
             drafted candidates, up to 8 tokens in all, 16 where also faster there; `hf_ssd/drafting/matmul.py`).
             `"auto"` (default): float32 CPU layers where the transposed product timed faster at 4 rows on this CPU
             (on a 2-vCPU AMD EPYC the 1.5B target verified 4 tokens in 0.35 s against 0.84 s, about one one-token
-            step); `"transposed"`: untimed, up to 16 tokens; `"stock"`: transformers' product. A verify already rounds its last bits unlike the target's
-            one-token steps with either product; those steps, the prompt's prefill and plain batched decoding
-            always keep transformers' product. hf_ssd's loop only: the one-prompt settings that run transformers'
+            step); `"transposed"`: untimed, up to 16 tokens; `"stock"`: transformers' product. A verify already
+            rounds its last bits unlike the target's one-token steps with either product; those steps, the prompt's
+            prefill and plain batched decoding always keep transformers' product. hf_ssd's loop only: the one-prompt settings that run transformers'
             assisted loop (`pipeline_depth` > 1, `eviction`, `static_draft`, `cuda_graphs`) refuse `"transposed"`.
     """
 

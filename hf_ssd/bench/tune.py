@@ -123,7 +123,8 @@ def _run_tune(target, draft, prompts, max_new_tokens, gammas, budgets, do_sample
         bar.update(1)
     stats = last_stats(target)
     top_k = max(o.budget for o in allowed_options(base, stats.layout, 1, wide=not static)) + 1  # as the generator keys it
-    costs = cost_model_for(target, draft, draft.device, stats.layout, do_sample, top_k, base.initial_acceptance)
+    costs = cost_model_for(target, draft, draft.device, stats.layout, do_sample, top_k, base.initial_acceptance,
+                           base.draft_matmul, base.verify_matmul)  # the estimates the calls above filled
     # The scheduler's other families (confidence-stopped SD, SSD at 16, the one-thread AR and SD of a CPU with more
     # threads) are not measured above. One call that starts as on a pair with no estimates, trying the default
     # twice and then each other family once (`Scheduler.first_rounds(every_family=True)`), measures them, so that

@@ -98,7 +98,7 @@ def wanted(mode: str, module: torch.nn.Module) -> bool:
     return mode == "transposed" or w.dtype == torch.float32  # auto: the measured case only
 
 
-_verdicts: dict = {}  # (weight shape, dtype, torch threads) -> whether the transposed product ran faster
+_verdicts: dict = {}  # (weight shape, dtype, torch threads, rows timed) -> whether the transposed product ran faster
 
 
 @torch.no_grad()
@@ -124,7 +124,7 @@ def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED
 
 
 def _time_products(sample: list[torch.nn.Linear], timed_rows: tuple[int, ...] = TIMED_ROWS) -> str:
-    """"transposed" or "linear": which took less time in all over TIMED_ROWS (best of 3 passes after a warm one)."""
+    """"transposed" or "linear": which took less time in all over `timed_rows` (best of 3 passes after a warm one)."""
     products = {"linear": lambda m, x: F.linear(x, m.weight, m.bias), "transposed": _transposed_forward}
     total = dict.fromkeys(products, 0.0)
     for rows in timed_rows:
