@@ -1,9 +1,11 @@
-"""SSDConfig.draft_matmul: the draft's CPU linear layers computed as (W @ x^T)^T during a call (hf_ssd/drafting/matmul.py).
+"""SSDConfig.draft_matmul: the draft's CPU linear layers computed as (W @ x^T)^T during a call, and one-row steps
+with float16 copies of the weights ("half"; hf_ssd/drafting/matmul.py).
 
-- The product equals `F.linear` (float64: to rounding) for every row count, shape and bias.
+- The product equals `F.linear` (float64: to rounding) for every row count, shape and bias; the float16 one is
+  close to it, serves one row only, follows weight changes and falls back where float16 overflows.
 - Only the draft's own plain `nn.Linear` layers are patched, only during the call (also when it fails), never a
   layer the target shares, and "auto" picks float32 CPU layers only.
-- With the patch forced on the float64 tiny pairs: greedy output identical to the target alone (several
+- With either patch forced on the float64 tiny pairs: greedy output identical to the target alone (several
   prompts and configs) and sampled output with the target's exact distribution (chi-square as in
   test_sampling.py: a correct implementation fails with probability < 1e-4).
 """
@@ -31,6 +33,35 @@ def test_transposed_product_equals_linear(shape, bias):
     got = matmul._transposed_forward(layer, x)
     assert got.shape == (*shape, 40) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_half_product_serves_one_row_close_to_linear(bias):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48, bias=bias)
+    one = torch.randn(1, 1, 64)
+    got = matmul._draft_forward(layer, one, half=True)
+    assert got.dtype == torch.float32 and got.shape == (1, 1, 48)
+    torch.testing.assert_close(got, F.linear(one, layer.weight, layer.bias), rtol=2e-3, atol=2e-3)
+    assert not torch.equal(got, F.linear(one, layer.weight, layer.bias))  # it really took float16 operands
+    assert layer in matmul._halves
+    few = torch.randn(3, 64)  # more rows: the transposed product, bit for bit
+    assert torch.equal(matmul._draft_forward(layer, few, half=True), matmul._transposed_forward(layer, few))
+    assert torch.equal(matmul._draft_forward(layer, few, half=True, transposed=False),
+                       F.linear(few, layer.weight, layer.bias))
+    with torch.no_grad():  # a weight changed in place: the copy follows it
+        layer.weight.mul_(-1)
+    torch.testing.assert_close(matmul._draft_forward(layer, one, half=True), F.linear(one, layer.weight, layer.bias),
+                               rtol=2e-3, atol=2e-3)
+
+
+def test_half_product_overflow_falls_back_to_the_layers_own_dtype():
+    layer = torch.nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1000.0)
+    x = torch.full((1, 64), 10.0)  # each output 640000: above float16's 65504
+    got = matmul._draft_forward(layer, x, half=True, transposed=False)
+    assert torch.isfinite(got).all() and torch.equal(got, F.linear(x, layer.weight))
 
 
 class Head(torch.nn.Linear):  # a subclass (as quantized layers are): keeps its own forward
@@ -71,7 +102,9 @@ def test_auto_patches_only_where_the_transposed_product_timed_faster(monkeypatch
     timed = []
     for verdict, patched in (("linear", False), ("transposed", True)):
         matmul._verdicts.clear()
-        monkeypatch.setattr(matmul, "_time_products", lambda sample, rows, v=verdict: (timed.append(sample), v)[1])
+        monkeypatch.setattr(matmul, "_time_products",  # float16 copies timed slower: the transposed verdict decides
+                            lambda sample, rows, half=False, v=verdict: (timed.append(sample), v)[1] if not half
+                            else "linear")
         for _ in range(2):  # the second call reuses the verdict
             with matmul.draft_matmul(draft, "auto") as n:
                 assert (n > 0) is patched
@@ -79,6 +112,34 @@ def test_auto_patches_only_where_the_transposed_product_timed_faster(monkeypatch
     assert len(timed) == 2 and all(isinstance(m, torch.nn.Linear) for m in timed[0])
     with matmul.draft_matmul(draft, "transposed") as n:  # forced: no timing
         assert n > 0 and len(timed) == 2
+
+
+@pytest.mark.parametrize("verdicts", [("half", "transposed"), ("half", "linear"), ("linear", "transposed"),
+                                      ("transposed", "linear")])
+def test_auto_takes_float16_for_one_row_only_where_it_timed_fastest(monkeypatch, verdicts):
+    """"auto" also times float16 copies against both float32 products at one row; where they won, one-row draft
+    forwards take them and wider ones the transposed product as its own timing says."""
+    one_row, few_rows = verdicts
+    draft = make_model(0).float()
+    monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)
+    matmul._verdicts.clear()
+    monkeypatch.setattr(matmul, "_time_products",
+                        lambda sample, rows=None, half=False: one_row if half else few_rows)
+    calls = {"half": 0, "transposed": 0}
+    for name in calls:
+        inner = getattr(matmul, f"_{name}_product" if name == "half" else "_transposed_forward")
+        monkeypatch.setattr(matmul, f"_{name}_product" if name == "half" else "_transposed_forward",
+                            lambda *a, _inner=inner, _name=name: (calls.__setitem__(_name, calls[_name] + 1),
+                                                                   _inner(*a))[1])
+    with matmul.draft_matmul(draft, "auto") as n, torch.no_grad():
+        assert (n > 0) is (one_row == "half" or few_rows == "transposed")
+        draft(torch.tensor([[3, 4, 5]]))  # a three-token forward, then a one-token one
+        wide = dict(calls)
+        draft(torch.tensor([[6]]))
+    assert (wide["transposed"] > 0) is (few_rows == "transposed") and wide["half"] == 0
+    assert (calls["half"] > 0) is (one_row == "half")
+    assert (calls["transposed"] > wide["transposed"]) is (one_row != "half" and few_rows == "transposed")
+    matmul._verdicts.clear()
 
 
 @pytest.mark.parametrize("slow", ["linear", "transposed"])
@@ -124,15 +185,16 @@ def test_patch_is_undone_when_generate_fails(target, draft):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts calls of the transposed product (so a test knows the patch really ran)."""
-    calls = [0]
-    inner = matmul._transposed_forward
+    """Counts calls of the transposed and float16 products (so a test knows the patch really ran)."""
+    calls = {"transposed": 0, "half": 0}
+    for mode, name in (("transposed", "_transposed_forward"), ("half", "_half_product")):
+        inner = getattr(matmul, name)
 
-    def counting(self, x):
-        calls[0] += 1
-        return inner(self, x)
+        def counting(self, x, _inner=inner, _mode=mode):
+            calls[_mode] += 1
+            return _inner(self, x)
 
-    monkeypatch.setattr(matmul, "_transposed_forward", counting)
+        monkeypatch.setattr(matmul, name, counting)
     return calls
 
 
@@ -144,28 +206,31 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("mode", ["transposed", "half"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
-def test_greedy_identical_to_target_with_the_transposed_product(target, draft, counted, config):
+def test_greedy_identical_to_target_with_the_drafts_products(target, draft, counted, config, mode):
     for prompt in ([5, 6, 7, 8], [11, 3, 40, 2, 9], [1, 2], [60, 61, 62, 63, 64, 65]):
         ids = torch.tensor([prompt])
         ref = target.generate(ids, max_new_tokens=24, do_sample=False)
         out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft,
-                              ssd_config=hf_ssd.SSDConfig(draft_matmul="transposed", **QUIET, **config))
+                              ssd_config=hf_ssd.SSDConfig(draft_matmul=mode, **QUIET, **config))
         assert torch.equal(out, ref), (config, prompt)
-        if config.get("layout") == "inline":  # rounds that repeat exactly: the same drafts as the stock product's
+        if config.get("layout") == "inline" and mode == "transposed":  # rounds that repeat exactly: the same drafts
+            # as the stock product's (float16 operands may round a near tie of the draft's the other way)
             patched = hf_ssd.last_stats(target)
             target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft,
                             ssd_config=hf_ssd.SSDConfig(draft_matmul="stock", **QUIET, **config))
             stock = hf_ssd.last_stats(target)
             assert (patched.accepted_tokens, patched.cache_hits) == (stock.accepted_tokens, stock.cache_hits)
-    assert counted[0] > 0
+    assert counted[mode] > 0
 
 
 @pytest.mark.slow  # the product changes only the draft's q; the kept chi-square tests hold for any q
-def test_sampling_matches_target_with_the_transposed_product(counted):
+@pytest.mark.parametrize("mode", ["transposed", "half"])
+def test_sampling_matches_target_with_the_drafts_products(counted, mode):
     target, draft = sampling_pair()
     joint = exact_joint(target)
-    config = hf_ssd.SSDConfig(gamma=2, layout="inline", schedule="fixed", fanout_budget=2, draft_matmul="transposed",
+    config = hf_ssd.SSDConfig(gamma=2, layout="inline", schedule="fixed", fanout_budget=2, draft_matmul=mode,
                               **QUIET)
     torch.manual_seed(4321)
     ids = torch.tensor([PROMPT])
@@ -174,5 +239,5 @@ def test_sampling_matches_target_with_the_transposed_product(counted):
         out = target.generate(ids, max_new_tokens=L, assistant_model=draft, ssd_config=config, **GEN)
         samples.append(tuple(out[0, len(PROMPT):].tolist()))
         hits += hf_ssd.last_stats(target).cache_hits
-    assert hits > 0 and counted[0] > 0
-    assert_matches_target(samples, joint, "draft_matmul=transposed")
+    assert hits > 0 and counted[mode] > 0
+    assert_matches_target(samples, joint, f"draft_matmul={mode}")

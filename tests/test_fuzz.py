@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hf_ssd import LayoutError, SSDConfig, SSDConfigError, SSDUsageError, last_stats
-from hf_ssd.config import DRAFT_MATMULS, FALLBACKS, LAYOUTS, SCHEDULES
+from hf_ssd.config import DRAFT_MATMULS, FALLBACKS, LAYOUTS, SCHEDULES, VERIFY_MATMULS
 
 DOCUMENTED = (SSDConfigError, SSDUsageError, LayoutError)
 SCALE = float(os.environ.get("HF_SSD_FUZZ_SCALE", "1"))
@@ -99,10 +99,10 @@ def ssd_configs(draw) -> SSDConfig:
         record_timeline=draw(st.booleans()),
         static_draft=static,  # on CPU: None is the dynamic path, True the static one
         schedule=draw(st.sampled_from(SCHEDULES)),
-        draft_matmul=draw(st.sampled_from(DRAFT_MATMULS)),  # "transposed": the fast product on the float64 draft
+        draft_matmul=draw(st.sampled_from(DRAFT_MATMULS)),  # "transposed"/"half": the draft's products, float64 draft
         # "transposed": the target's verify on the float64 target; a static_draft setting (transformers' assisted
         # loop) refuses it
-        verify_matmul=draw(st.sampled_from(DRAFT_MATMULS if static is None else ("auto", "stock"))),
+        verify_matmul=draw(st.sampled_from(VERIFY_MATMULS if static is None else ("auto", "stock"))),
     )
 
 
@@ -224,7 +224,7 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "cuda_graphs": st.none() | st.booleans(),
     "schedule": st.sampled_from(SCHEDULES),
     "draft_matmul": st.sampled_from(DRAFT_MATMULS),
-    "verify_matmul": st.sampled_from(DRAFT_MATMULS),
+    "verify_matmul": st.sampled_from(VERIFY_MATMULS),
 }
 assert set(VALID) == set(SSDConfig.__dataclass_fields__)
 

@@ -11,7 +11,16 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..config import DRAFT_MATMULS, EVICTIONS, FALLBACKS, LAYOUTS, SCHEDULES, SSDConfig, SSDConfigError
+from ..config import (
+    DRAFT_MATMULS,
+    EVICTIONS,
+    FALLBACKS,
+    LAYOUTS,
+    SCHEDULES,
+    VERIFY_MATMULS,
+    SSDConfig,
+    SSDConfigError,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -87,8 +96,9 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
     g.add_argument("--cuda-graphs", type=_tristate, default=d.cuda_graphs, metavar="{auto,on,off}",
                    help="CUDA graphs for the static draft steps (default: auto, on for CUDA drafts)")
     g.add_argument("--draft-matmul", choices=DRAFT_MATMULS, default=d.draft_matmul,
-                   help="the draft's CPU linear layers: auto (float32: the faster transposed product), transposed, stock")
-    g.add_argument("--verify-matmul", choices=DRAFT_MATMULS, default=d.verify_matmul,
+                   help="the draft's CPU linear layers: auto (float32: the faster of the transposed product and, in "
+                        "one-row steps, float16 copies), transposed, half, stock")
+    g.add_argument("--verify-matmul", choices=VERIFY_MATMULS, default=d.verify_matmul,
                    help="the target's CPU linear layers in verify forwards: auto, transposed, stock (as --draft-matmul)")
 
 

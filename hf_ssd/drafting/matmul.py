@@ -13,6 +13,13 @@ Which is faster depends on the CPU: on a 2-vCPU Intel Xeon (torch 2.13, a 4864 x
 0.26 s. So "auto" times both products on the draft's own layers once per process (`transposed_pays`, ~50 ms)
 and patches only where the transposed one is faster.
 
+Its one-row steps (batch-1 drafting) can also multiply by a float16 copy of each weight: half the bytes to stream.
+On the 2-vCPU AMD EPYC the real pair's draft stepped in 58 ms that way against 113 ms transposed, its greedy
+tokens the same over 6 HumanEval prompts x 48 tokens (`scripts/matmul_bench.py --real`); at 2 and 4 rows float16
+took 122 and 176 ms against 109 and 111, so it serves one row only. "auto" times it on the draft's layers too. A
+product that overflows float16 is recomputed in the layer's own dtype. The copies are made at a layer's first
+one-row step and live as long as the layer (about half the draft's float32 size for a float32 draft).
+
 The draft (`draft_matmul`): it only proposes. Greedy identity rests on the target's own argmax, and speculative
 sampling on the draft's probabilities as computed for the proposal, whatever their last rounding bits.
 
@@ -48,11 +55,14 @@ VERIFY_TIMED_LAYERS = 2  # ... on 2 layers: the 1.5B target's 4 took 0.32-0.40 s
 VERIFY_WIDE_ROWS = 16
 TIMED_LAYERS = 4  # distinct weights, so that the timing streams them from memory as a real step does
 TIMED_MIN_PARAMS = 1 << 20  # smaller weights keep the transposed product untimed: microsecond timings are noise
+HALF_ROWS = 1  # float16 copies serve one-row products only (slower than the transposed product at 2 and 4 rows)
 
 _lock = threading.Lock()
 # model -> [calls using it, {module: forward}], one registry per role (a draft that is the target is both)
 _active = {"draft": weakref.WeakKeyDictionary(), "verify": weakref.WeakKeyDictionary()}
 _verifying = threading.local()  # .on: this thread runs a verify forward (`verifying`)
+# layer -> ((weight's data_ptr, version), its float16 copy): made at the layer's first one-row half product
+_halves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
@@ -66,6 +76,36 @@ def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = 
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def _half_weight(layer: torch.nn.Linear) -> torch.Tensor:
+    """`layer`'s weight in float16, copied once and again only after the weight changed (in place or replaced)."""
+    w = layer.weight
+    stamp = (w.data_ptr(), w._version)
+    entry = _halves.get(layer)
+    if entry is None or entry[0] != stamp:
+        entry = _halves[layer] = (stamp, w.detach().to(torch.float16))
+    return entry[1]
+
+
+def _half_product(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """x @ W^T with float16 operands (a copy of W) and the result in x's dtype; None where it overflowed."""
+    y = F.linear(x.to(torch.float16), _half_weight(self)).to(x.dtype)
+    if not bool(torch.isfinite(y).all()):  # float16 tops out at 65504: the caller recomputes in x's dtype
+        return None
+    return y if self.bias is None else y + self.bias
+
+
+def _draft_forward(self: torch.nn.Linear, x: torch.Tensor, half: bool = False, transposed: bool = True) -> torch.Tensor:
+    """A draft layer: one-row products with the float16 copy where `half`, up to MAX_ROWS rows transposed where
+    `transposed`, else transformers' own."""
+    if half and x.numel() == x.shape[-1] and x.dtype == self.weight.dtype and x.device == self.weight.device:
+        y = _half_product(self, x)
+        if y is not None:
+            return y
+    if transposed:
+        return _transposed_forward(self, x)
+    return F.linear(x, self.weight, self.bias)
 
 
 def _verify_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
@@ -89,13 +129,13 @@ def verifying(on: bool = True):
 
 
 def wanted(mode: str, module: torch.nn.Module) -> bool:
-    """Whether `module` gets the transposed product under `mode` ("auto", "transposed" or "stock")."""
+    """Whether `module` may get another product under `mode` ("auto", "transposed", "half" or "stock")."""
     if type(module) is not torch.nn.Linear or mode == "stock":  # subclasses (quantized layers) keep their own
         return False
     w = module.weight
     if w.device.type != "cpu" or not w.dtype.is_floating_point:
         return False
-    return mode == "transposed" or w.dtype == torch.float32  # auto: the measured case only
+    return mode != "auto" or w.dtype == torch.float32  # auto: the measured case only
 
 
 _verdicts: dict = {}  # (weight shape, dtype, torch threads, rows timed) -> whether the transposed product ran faster
@@ -123,9 +163,32 @@ def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED
     return _verdicts[key]
 
 
-def _time_products(sample: list[torch.nn.Linear], timed_rows: tuple[int, ...] = TIMED_ROWS) -> str:
-    """"transposed" or "linear": which took less time in all over `timed_rows` (best of 3 passes after a warm one)."""
+@torch.no_grad()
+def half_pays(layers: list[torch.nn.Linear]) -> bool:
+    """Whether one-row products with float16 copies beat both float32 products on this CPU for `layers`' commonest
+    weight shape, timed once per process and thread count as `transposed_pays` times; tiny weights: no."""
+    if not layers:
+        return False
+    weight = {}
+    for m in layers:
+        weight[tuple(m.weight.shape)] = weight.get(tuple(m.weight.shape), 0) + m.weight.numel()
+    shape = max(weight, key=weight.get)
+    sample = [m for m in layers if tuple(m.weight.shape) == shape][:TIMED_LAYERS]
+    if sample[0].weight.numel() < TIMED_MIN_PARAMS:
+        return False
+    key = (shape, sample[0].weight.dtype, torch.get_num_threads(), "half")
+    if key not in _verdicts:
+        _verdicts[key] = _time_products(sample, (HALF_ROWS,), half=True) == "half"
+    return _verdicts[key]
+
+
+def _time_products(sample: list[torch.nn.Linear], timed_rows: tuple[int, ...] = TIMED_ROWS,
+                   half: bool = False) -> str:
+    """"transposed" or "linear" (or "half", with `half`): which took less time in all over `timed_rows` (best of 3
+    passes after a warm one, which also makes the float16 copies)."""
     products = {"linear": lambda m, x: F.linear(x, m.weight, m.bias), "transposed": _transposed_forward}
+    if half:
+        products["half"] = _half_product
     total = dict.fromkeys(products, 0.0)
     for rows in timed_rows:
         x = torch.randn(rows, sample[0].in_features, generator=torch.Generator().manual_seed(rows),  # not the
@@ -139,12 +202,13 @@ def _time_products(sample: list[torch.nn.Linear], timed_rows: tuple[int, ...] = 
                 passes[name].append(time.perf_counter() - start)
         for name, seconds in passes.items():
             total[name] += min(seconds[1:])
-    return "transposed" if total["transposed"] < total["linear"] else "linear"
+    return min(total, key=total.get)  # a tie keeps the first: linear
 
 
 @contextlib.contextmanager
 def draft_matmul(draft: torch.nn.Module | None, mode: str, target: torch.nn.Module | None = None):
-    """For one generate call: the draft's CPU linear layers use the transposed product (see module doc).
+    """For one generate call: the draft's CPU linear layers use the transposed product, and in one-row steps
+    float16 copies of their weights where that pays ("auto" times both) or `mode` is "half" (see module doc).
 
     Layers the draft shares with `target` (a draft that is the target, or reuses its head) are left alone.
     Concurrent calls on one draft share the patch; the last to leave restores each layer's own forward.
@@ -156,7 +220,13 @@ def draft_matmul(draft: torch.nn.Module | None, mode: str, target: torch.nn.Modu
     def plan():
         shared = {id(m) for m in target.modules()} if target is not None else set()
         found = [m for m in draft.modules() if wanted(mode, m) and id(m) not in shared]
-        return ([] if mode == "auto" and not transposed_pays(found) else found), _transposed_forward
+        if mode == "auto":
+            half, transposed = half_pays(found), transposed_pays(found)
+        else:
+            half, transposed = mode == "half", True
+        if not (half or transposed):
+            return [], None
+        return found, functools.partial(_draft_forward, half=half, transposed=transposed)
 
     with _patched("draft", draft, plan) as n:
         yield n
