@@ -131,8 +131,12 @@ def test_auto_takes_float16_for_one_row_only_where_it_timed_fastest(monkeypatch,
         monkeypatch.setattr(matmul, f"_{name}_product" if name == "half" else "_transposed_forward",
                             lambda *a, _inner=inner, _name=name: (calls.__setitem__(_name, calls[_name] + 1),
                                                                    _inner(*a))[1])
+    matmul._halves.clear()
     with matmul.draft_matmul(draft, "auto") as n, torch.no_grad():
         assert (n > 0) is (one_row == "half" or few_rows == "transposed")
+        # the float16 copies are made on entry, so that no round's timing includes them
+        layers = [m for m in draft.modules() if type(m) is torch.nn.Linear]
+        assert all(m in matmul._halves for m in layers) is (one_row == "half")
         draft(torch.tensor([[3, 4, 5]]))  # a three-token forward, then a one-token one
         wide = dict(calls)
         draft(torch.tensor([[6]]))

@@ -17,8 +17,9 @@ Its one-row steps (batch-1 drafting) can also multiply by a float16 copy of each
 On the 2-vCPU AMD EPYC the real pair's draft stepped in 58 ms that way against 113 ms transposed, its greedy
 tokens the same over 6 HumanEval prompts x 48 tokens (`scripts/matmul_bench.py --real`); at 2 and 4 rows float16
 took 122 and 176 ms against 109 and 111, so it serves one row only. "auto" times it on the draft's layers too. A
-product that overflows float16 is recomputed in the layer's own dtype. The copies are made at a layer's first
-one-row step and live as long as the layer (about half the draft's float32 size for a float32 draft).
+product that overflows float16 is recomputed in the layer's own dtype. The copies are made when a call first
+patches the layers (a round's timing must not include them: the scheduler prices the draft's step from it) and
+live as long as the layer (half the float32 weights' size).
 
 The draft (`draft_matmul`): it only proposes. Greedy identity rests on the target's own argmax, and speculative
 sampling on the draft's probabilities as computed for the proposal, whatever their last rounding bits.
@@ -61,7 +62,7 @@ _lock = threading.Lock()
 # model -> [calls using it, {module: forward}], one registry per role (a draft that is the target is both)
 _active = {"draft": weakref.WeakKeyDictionary(), "verify": weakref.WeakKeyDictionary()}
 _verifying = threading.local()  # .on: this thread runs a verify forward (`verifying`)
-# layer -> ((weight's data_ptr, version), its float16 copy): made at the layer's first one-row half product
+# layer -> ((weight's data_ptr, version), its float16 copy): made when a call patches it (`draft_matmul`)
 _halves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -226,6 +227,9 @@ def draft_matmul(draft: torch.nn.Module | None, mode: str, target: torch.nn.Modu
             half, transposed = mode == "half", True
         if not (half or transposed):
             return [], None
+        if half:  # copied now, not at the first step: a round's measured draft time must not hold the copying
+            for m in found:
+                _half_weight(m)
         return found, functools.partial(_draft_forward, half=half, transposed=transposed)
 
     with _patched("draft", draft, plan) as n:
