@@ -226,8 +226,8 @@ def test_greedy_identical_to_target_with_the_drafts_products(target, draft, coun
                             ssd_config=hf_ssd.SSDConfig(draft_matmul="stock", **QUIET, **config))
             stock = hf_ssd.last_stats(target)
             assert (patched.accepted_tokens, patched.cache_hits) == (stock.accepted_tokens, stock.cache_hits)
-    # The default scheduler may draft only in multi-row forwards (SSD's branches), which take the transposed product.
-    assert counted[mode] > 0 if config else counted["half"] + counted["transposed"] > 0
+    if config:  # the default scheduler may keep the target alone in these short calls: nothing to count there
+        assert counted[mode] > 0
 
 
 @pytest.mark.slow  # the product changes only the draft's q; the kept chi-square tests hold for any q
