@@ -12,6 +12,8 @@ with float16 copies of the weights ("half"; hf_ssd/drafting/matmul.py).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,6 +64,32 @@ def test_half_product_overflow_falls_back_to_the_layers_own_dtype():
     x = torch.full((1, 64), 10.0)  # each output 640000: above float16's 65504
     got = matmul._draft_forward(layer, x, half=True, transposed=False)
     assert torch.isfinite(got).all() and torch.equal(got, F.linear(x, layer.weight))
+
+
+def test_the_float16_copies_time_is_not_the_drafts_step(monkeypatch):
+    """A layer's float16 copy is made at its first one-row step, inside a round: the loop takes the copying out of
+    the round's measured draft time (`matmul.copy_seconds`), from which the scheduler prices drafting."""
+    target = hf_ssd.enable(make_model(0).float())
+    draft = noisy_copy(target, 0.01)
+    inner = matmul._half_weight
+
+    def slow_copy(layer):  # each copy takes 0.1 s more (the real 0.5B draft's take about 0.3 s in all)
+        if layer not in matmul._halves:
+            start = time.perf_counter()
+            time.sleep(0.1)
+            matmul._copying[0] += time.perf_counter() - start
+        return inner(layer)
+
+    monkeypatch.setattr(matmul, "_half_weight", slow_copy)
+    matmul._halves.clear()
+    layers = sum(type(m) is torch.nn.Linear for m in draft.modules())
+    before = matmul.copy_seconds()
+    target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16, do_sample=False, assistant_model=draft,
+                    ssd_config=hf_ssd.SSDConfig(draft_matmul="half", **QUIET),
+                    _ssd_hooks={"options": lambda options: [o for o in options if o.name == "sd(g=3)"]})
+    stats = hf_ssd.last_stats(target)
+    assert matmul.copy_seconds() - before >= 0.1 * layers  # every layer was copied in this call ...
+    assert stats.proposed_tokens > 0 and stats.fallback_draft_time < 0.05 * layers  # ... outside the draft's time
 
 
 class Head(torch.nn.Linear):  # a subclass (as quantized layers are): keeps its own forward
@@ -132,14 +160,14 @@ def test_auto_takes_float16_for_one_row_only_where_it_timed_fastest(monkeypatch,
                             lambda *a, _inner=inner, _name=name: (calls.__setitem__(_name, calls[_name] + 1),
                                                                    _inner(*a))[1])
     matmul._halves.clear()
+    layers = [m for m in draft.modules() if type(m) is torch.nn.Linear]
     with matmul.draft_matmul(draft, "auto") as n, torch.no_grad():
         assert (n > 0) is (one_row == "half" or few_rows == "transposed")
-        # the float16 copies are made on entry, so that no round's timing includes them
-        layers = [m for m in draft.modules() if type(m) is torch.nn.Linear]
-        assert all(m in matmul._halves for m in layers) is (one_row == "half")
         draft(torch.tensor([[3, 4, 5]]))  # a three-token forward, then a one-token one
         wide = dict(calls)
+        assert not any(m in matmul._halves for m in layers)  # copies only at a one-row product: none yet
         draft(torch.tensor([[6]]))
+        assert all(m in matmul._halves for m in layers) is (one_row == "half")
     assert (wide["transposed"] > 0) is (few_rows == "transposed") and wide["half"] == 0
     assert (calls["half"] > 0) is (one_row == "half")
     assert (calls["transposed"] > wide["transposed"]) is (one_row != "half" and few_rows == "transposed")

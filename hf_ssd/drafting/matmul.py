@@ -17,9 +17,11 @@ Its one-row steps (batch-1 drafting) can also multiply by a float16 copy of each
 On the 2-vCPU AMD EPYC the real pair's draft stepped in 58 ms that way against 113 ms transposed, its greedy
 tokens the same over 6 HumanEval prompts x 48 tokens (`scripts/matmul_bench.py --real`); at 2 and 4 rows float16
 took 122 and 176 ms against 109 and 111, so it serves one row only. "auto" times it on the draft's layers too. A
-product that overflows float16 is recomputed in the layer's own dtype. The copies are made when a call first
-patches the layers (a round's timing must not include them: the scheduler prices the draft's step from it) and
-live as long as the layer (half the float32 weights' size).
+product that overflows float16 is recomputed in the layer's own dtype. A layer's copy is made at its first one-row
+product, so calls that never draft one row (the target alone, batches) pay neither its time nor its memory; it
+lives as long as the layer (half the float32 weights' size). The seconds spent copying are counted apart
+(`copy_seconds`): the loop takes them out of the round's measured draft time, from which the scheduler prices a
+draft step.
 
 The draft (`draft_matmul`): it only proposes. Greedy identity rests on the target's own argmax, and speculative
 sampling on the draft's probabilities as computed for the proposal, whatever their last rounding bits.
@@ -62,8 +64,9 @@ _lock = threading.Lock()
 # model -> [calls using it, {module: forward}], one registry per role (a draft that is the target is both)
 _active = {"draft": weakref.WeakKeyDictionary(), "verify": weakref.WeakKeyDictionary()}
 _verifying = threading.local()  # .on: this thread runs a verify forward (`verifying`)
-# layer -> ((weight's data_ptr, version), its float16 copy): made when a call patches it (`draft_matmul`)
+# layer -> ((weight's data_ptr, version), its float16 copy): made at the layer's first one-row half product
 _halves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_copying = [0.0]  # seconds spent making float16 copies in this process (`copy_seconds`)
 
 
 def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
@@ -85,8 +88,17 @@ def _half_weight(layer: torch.nn.Linear) -> torch.Tensor:
     stamp = (w.data_ptr(), w._version)
     entry = _halves.get(layer)
     if entry is None or entry[0] != stamp:
+        start = time.perf_counter()
         entry = _halves[layer] = (stamp, w.detach().to(torch.float16))
+        with _lock:
+            _copying[0] += time.perf_counter() - start
     return entry[1]
+
+
+def copy_seconds() -> float:
+    """Seconds this process has spent making float16 copies (`_half_weight`), on any thread: a timed stretch
+    subtracts what it grew by, so that a one-time copy does not price the draft's step."""
+    return _copying[0]
 
 
 def _half_product(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -227,9 +239,6 @@ def draft_matmul(draft: torch.nn.Module | None, mode: str, target: torch.nn.Modu
             half, transposed = mode == "half", True
         if not (half or transposed):
             return [], None
-        if half:  # copied now, not at the first step: a round's measured draft time must not hold the copying
-            for m in found:
-                _half_weight(m)
         return found, functools.partial(_draft_forward, half=half, transposed=transposed)
 
     with _patched("draft", draft, plan) as n:
