@@ -66,6 +66,29 @@ def test_half_product_overflow_falls_back_to_the_layers_own_dtype():
     assert torch.isfinite(got).all() and torch.equal(got, F.linear(x, layer.weight))
 
 
+def test_auto_times_the_float16_copies_without_deadlock(monkeypatch):
+    """The real timing, float16 copies included, runs while the patch registry's lock is held (a copy's clock once
+    took that lock too and hung the first call on the real pair)."""
+    import threading
+
+    draft = make_model(0).float()
+    monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)
+    matmul._verdicts.clear()
+    matmul._halves.clear()
+    done = []
+
+    def call():
+        with matmul.draft_matmul(draft, "auto"):
+            done.append(True)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done, "draft_matmul('auto') hung while timing the float16 copies"
+    assert any(key[-1] == "half" for key in matmul._verdicts)  # the float16 copies were really timed
+    matmul._verdicts.clear()
+
+
 def test_the_float16_copies_time_is_not_the_drafts_step(monkeypatch):
     """A layer's float16 copy is made at its first one-row step, inside a round: the loop takes the copying out of
     the round's measured draft time (`matmul.copy_seconds`), from which the scheduler prices drafting."""

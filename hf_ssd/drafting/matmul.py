@@ -67,6 +67,7 @@ _verifying = threading.local()  # .on: this thread runs a verify forward (`verif
 # layer -> ((weight's data_ptr, version), its float16 copy): made at the layer's first one-row half product
 _halves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _copying = [0.0]  # seconds spent making float16 copies in this process (`copy_seconds`)
+_clock_lock = threading.Lock()
 
 
 def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
@@ -90,7 +91,7 @@ def _half_weight(layer: torch.nn.Linear) -> torch.Tensor:
     if entry is None or entry[0] != stamp:
         start = time.perf_counter()
         entry = _halves[layer] = (stamp, w.detach().to(torch.float16))
-        with _lock:
+        with _clock_lock:  # not `_lock`: "auto" times this under it (`_patched` plans while holding it)
             _copying[0] += time.perf_counter() - start
     return entry[1]
 
