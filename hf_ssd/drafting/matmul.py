@@ -155,6 +155,15 @@ def wanted(mode: str, module: torch.nn.Module) -> bool:
 _verdicts: dict = {}  # (weight shape, dtype, torch threads, rows timed) -> whether the transposed product ran faster
 
 
+def _commonest(layers: list[torch.nn.Linear], count: int) -> list[torch.nn.Linear]:
+    """Up to `count` of `layers` of their commonest weight shape by parameters: what a timing samples."""
+    weight = {}
+    for m in layers:
+        weight[tuple(m.weight.shape)] = weight.get(tuple(m.weight.shape), 0) + m.weight.numel()
+    shape = max(weight, key=weight.get)
+    return [m for m in layers if tuple(m.weight.shape) == shape][:count]
+
+
 @torch.no_grad()
 def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED_ROWS, small: bool = True,
                     count: int = TIMED_LAYERS) -> bool:
@@ -164,14 +173,10 @@ def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED
     is `small`."""
     if not layers:
         return False
-    weight = {}
-    for m in layers:
-        weight[tuple(m.weight.shape)] = weight.get(tuple(m.weight.shape), 0) + m.weight.numel()
-    shape = max(weight, key=weight.get)
-    sample = [m for m in layers if tuple(m.weight.shape) == shape][:count]
+    sample = _commonest(layers, count)
     if sample[0].weight.numel() < TIMED_MIN_PARAMS:  # cheap either way: a stable choice for tiny models
         return small
-    key = (shape, sample[0].weight.dtype, torch.get_num_threads(), tuple(rows))
+    key = (tuple(sample[0].weight.shape), sample[0].weight.dtype, torch.get_num_threads(), tuple(rows))
     if key not in _verdicts:
         _verdicts[key] = _time_products(sample, rows) == "transposed"
     return _verdicts[key]
@@ -183,16 +188,15 @@ def half_pays(layers: list[torch.nn.Linear]) -> bool:
     weight shape, timed once per process and thread count as `transposed_pays` times; tiny weights: no."""
     if not layers:
         return False
-    weight = {}
-    for m in layers:
-        weight[tuple(m.weight.shape)] = weight.get(tuple(m.weight.shape), 0) + m.weight.numel()
-    shape = max(weight, key=weight.get)
-    sample = [m for m in layers if tuple(m.weight.shape) == shape][:TIMED_LAYERS]
+    sample = _commonest(layers, TIMED_LAYERS)
     if sample[0].weight.numel() < TIMED_MIN_PARAMS:
         return False
-    key = (shape, sample[0].weight.dtype, torch.get_num_threads(), "half")
+    key = (tuple(sample[0].weight.shape), sample[0].weight.dtype, torch.get_num_threads(), "half")
     if key not in _verdicts:
         _verdicts[key] = _time_products(sample, (HALF_ROWS,), half=True) == "half"
+        if not _verdicts[key]:  # the timing's copies serve nothing
+            for m in sample:
+                _halves.pop(m, None)
     return _verdicts[key]
 
 
