@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_model, noisy_copy
 from test_sampling import GEN, PROMPT, L, N, assert_matches_target, exact_joint, sampling_pair
+from test_verify_matmul import _batch, pair  # noqa: F401  (a fixture: SDPA, so padded batches are exact)
 
 import hf_ssd
 from hf_ssd.drafting import matmul
@@ -297,3 +298,19 @@ def test_sampling_matches_target_with_the_drafts_products(counted, mode):
         hits += hf_ssd.last_stats(target).cache_hits
     assert hits > 0 and counted[mode] > 0
     assert_matches_target(samples, joint, f"draft_matmul={mode}")
+
+
+@pytest.mark.parametrize("b", [1, 2, 3])
+def test_greedy_rows_identical_to_target_with_float16_draft_steps(pair, counted, b):  # noqa: F811 (the fixture)
+    """Batched calls with "half": every row equals the target's batched generate (rows that end or miss leave a
+    one-row draft step, which takes the float16 copies)."""
+    target, draft = pair
+    hooks = {"options": lambda options: [o for o in options if o.kind == "sd"], "plain": False, "loop": "batch"}
+    for seed in range(3):
+        g = torch.Generator().manual_seed(10 * b + seed)
+        ids, mask = _batch(torch.randint(2, 10, (b,), generator=g).tolist(), seed)
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
+                              ssd_config=hf_ssd.SSDConfig(draft_matmul="half", **QUIET), _ssd_hooks=hooks)
+        assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)), seed
+    if b == 1:
+        assert counted["half"] > 0
