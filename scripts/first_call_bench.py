@@ -19,6 +19,16 @@ Ratios are within this one run. Every greedy output is compared with the target 
 
 --assisted: the SSD calls run the one-prompt path (loop/assisted.py) instead of hf_ssd's own loop, which every
 batch size runs by default.
+
+--processes N: first calls only, over N fresh processes (one first call is a single sample, and this machine's
+speed moves by 10% within minutes). Each child loads the pair, warms both models' kernels as in 1., then makes the
+first call of each method (SSDConfig(), the target alone, assisted generation with the draft's defaults) on one
+prompt, in an order rotated per process: process i runs prompt (i // 3) mod --prompts with rotation i mod 3, so 9
+processes run every prompt in every order. A process's first generate of 48 tokens runs a few seconds slower than
+its second whatever the method (measured: the target alone 25.6-27.5 s first against 22.7-22.8 s second), so the
+report gives each method's seconds where it ran first in its process, beside its seconds over all processes.
+
+    flock /tmp/realpair.lock python scripts/first_call_bench.py --processes 9      # ~16 minutes
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,9 +111,15 @@ def main(argv=None):
     p.add_argument("--assisted", action="store_true",
                    help="SSD calls run the one-prompt path (transformers' assisted loop with hf_ssd's candidate "
                         "generator) instead of hf_ssd's own loop, the default")
+    p.add_argument("--processes", type=int, default=0,
+                   help="first calls only, each method's in each of this many fresh processes (see above)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # --processes: the methods' order in one child
+    p.add_argument("--prompt-index", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.assisted:
         HOOKS["loop"] = "assisted"
+    if args.processes:
+        return first_calls(args)
     if args.tiny:
         from hf_ssd.models.tiny import tiny_pair
 
@@ -116,9 +134,18 @@ def main(argv=None):
         m.generation_config.eos_token_id = None
     prompts = [torch.tensor([tok(t).input_ids]) for t in stdlib_prompts(args.prompts)]
     new = args.max_new_tokens
+    if args.child:
+        prompts = [prompts[args.prompt_index % len(prompts)]]
     with torch.inference_mode():  # 1. first-use costs of both models' kernels
         for m in (target, draft):
             m.generate(prompts[0], max_new_tokens=2, do_sample=False, attention_mask=torch.ones_like(prompts[0]))
+    if args.child:  # --processes: each method's first call in this process
+        outs, seconds = {}, {}
+        for m in args.child.split(","):
+            outs[m], seconds[m], _ = call(m, target, draft, prompts[0], new)
+        assert all(o == outs["target"] for o in outs.values()), "a method differs from the target alone"
+        print(json.dumps({"seconds": seconds, "threads": torch.get_num_threads()}))
+        return
 
     reference = call("target", target, draft, prompts[0], new)[0]  # prompt 0's greedy output, the target alone
     first_out, first_s, first_stats = call("ssd", target, draft, prompts[0], new)  # 2. the first call
@@ -166,6 +193,45 @@ def main(argv=None):
           f" tok/s -> SSD / best ({b}) = {totals[b] / totals['ssd']:.3f}x")
     for stats in later_stats:
         print(f"  SSD: {describe(stats)}")
+
+
+def first_calls(args) -> None:
+    """--processes: every method's first call in each of N fresh processes, the order rotated per process."""
+    methods = ["ssd", "target", "assisted"]
+    totals, rows, first = dict.fromkeys(methods, 0.0), [], {m: [] for m in methods}
+    for i in range(args.processes):
+        order, prompt = methods[i % 3:] + methods[: i % 3], (i // 3) % args.prompts
+        cmd = [sys.executable, __file__, "--child", ",".join(order), "--prompt-index", str(prompt),
+               "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
+        cmd += ["--tiny"] * args.tiny + ["--assisted"] * args.assisted
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"child {i} failed:\n{done.stderr[-3000:]}")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        seconds, threads = report["seconds"], report["threads"]
+        for m in methods:
+            totals[m] += seconds[m]
+        first[order[0]].append((prompt, seconds[order[0]]))
+        best = min(("target", "assisted"), key=seconds.get)
+        rows.append(seconds)
+        print(f"process {i} (prompt {prompt}, order {' '.join(order)}): " +
+              ", ".join(f"{m} {s:.2f}s" for m, s in seconds.items()) +
+              f" -> SSD / best ({best}) = {seconds[best] / seconds['ssd']:.3f}x", flush=True)
+    best = min(("target", "assisted"), key=totals.get)
+    print(f"first calls over {args.processes} processes, {args.max_new_tokens} new tokens each, greedy, "
+          f"{threads} torch threads; outputs identical to the target alone")
+    print("summed seconds: " + ", ".join(f"{m} {s:.2f}" for m, s in totals.items()) +
+          f" -> SSD / best ({best}) = {totals[best] / totals['ssd']:.3f}x")
+    ratios = sorted(r[min(('target', 'assisted'), key=r.get)] / r["ssd"] for r in rows)
+    print(f"per process SSD / best: {', '.join(f'{x:.3f}' for x in ratios)} (median {ratios[len(ratios) // 2]:.3f})")
+    # Each method's calls made first in their process, on the prompts where every method ran first.
+    shared = set.intersection(*(set(p for p, _ in first[m]) for m in methods))
+    if shared:
+        firsts = {m: sum(s for p, s in first[m] if p in shared) for m in methods}
+        best = min(("target", "assisted"), key=firsts.get)
+        print(f"first in their process (prompts {sorted(shared)}): " +
+              ", ".join(f"{m} {s:.2f}s" for m, s in firsts.items()) +
+              f" -> SSD / best ({best}) = {firsts[best] / firsts['ssd']:.3f}x")
 
 
 if __name__ == "__main__":
