@@ -26,7 +26,8 @@ first call of each method (SSDConfig(), the target alone, assisted generation wi
 prompt, in an order rotated per process: process i runs prompt (i // 3) mod --prompts with rotation i mod 3, so 9
 processes run every prompt in every order. A process's first generate of 48 tokens runs a few seconds slower than
 its second whatever the method (measured: the target alone 25.6-27.5 s first against 22.7-22.8 s second), so the
-report gives each method's seconds where it ran first in its process, beside its seconds over all processes.
+report gives each method's seconds by its position in the process (first, second, third), beside its seconds
+over all processes.
 
     flock /tmp/realpair.lock python scripts/first_call_bench.py --processes 9      # ~16 minutes
 """
@@ -198,7 +199,8 @@ def main(argv=None):
 def first_calls(args) -> None:
     """--processes: every method's first call in each of N fresh processes, the order rotated per process."""
     methods = ["ssd", "target", "assisted"]
-    totals, rows, first = dict.fromkeys(methods, 0.0), [], {m: [] for m in methods}
+    totals, rows = dict.fromkeys(methods, 0.0), []
+    at = [{m: {} for m in methods} for _ in methods]  # position -> method -> prompt -> seconds of each call
     for i in range(args.processes):
         order, prompt = methods[i % 3:] + methods[: i % 3], (i // 3) % args.prompts
         cmd = [sys.executable, __file__, "--child", ",".join(order), "--prompt-index", str(prompt),
@@ -211,7 +213,8 @@ def first_calls(args) -> None:
         seconds, threads = report["seconds"], report["threads"]
         for m in methods:
             totals[m] += seconds[m]
-        first[order[0]].append((prompt, seconds[order[0]]))
+        for pos, m in enumerate(order):
+            at[pos][m].setdefault(prompt, []).append(seconds[m])
         best = min(("target", "assisted"), key=seconds.get)
         rows.append(seconds)
         print(f"process {i} (prompt {prompt}, order {' '.join(order)}): " +
@@ -224,14 +227,16 @@ def first_calls(args) -> None:
           f" -> SSD / best ({best}) = {totals[best] / totals['ssd']:.3f}x")
     ratios = sorted(r[min(('target', 'assisted'), key=r.get)] / r["ssd"] for r in rows)
     print(f"per process SSD / best: {', '.join(f'{x:.3f}' for x in ratios)} (median {ratios[len(ratios) // 2]:.3f})")
-    # Each method's calls made first in their process, on the prompts where every method ran first.
-    shared = set.intersection(*(set(p for p, _ in first[m]) for m in methods))
-    if shared:
-        firsts = {m: sum(s for p, s in first[m] if p in shared) for m in methods}
-        best = min(("target", "assisted"), key=firsts.get)
-        print(f"first in their process (prompts {sorted(shared)}): " +
-              ", ".join(f"{m} {s:.2f}s" for m, s in firsts.items()) +
-              f" -> SSD / best ({best}) = {firsts[best] / firsts['ssd']:.3f}x")
+    # By position in the process (a process's first long generate is slower whatever the method): each method's
+    # mean seconds per prompt, summed over the prompts where every method ran at that position.
+    for pos, name in enumerate(("first", "second", "third")):
+        shared = set.intersection(*(set(at[pos][m]) for m in methods))
+        if shared:
+            sums = {m: sum(sum(at[pos][m][p]) / len(at[pos][m][p]) for p in shared) for m in methods}
+            best = min(("target", "assisted"), key=sums.get)
+            print(f"{name} in their process (prompts {sorted(shared)}): " +
+                  ", ".join(f"{m} {s:.2f}s" for m, s in sums.items()) +
+                  f" -> SSD / best ({best}) = {sums[best] / sums['ssd']:.3f}x")
 
 
 if __name__ == "__main__":
