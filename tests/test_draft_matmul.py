@@ -302,8 +302,9 @@ def test_sampling_matches_target_with_the_drafts_products(counted, mode):
 
 @pytest.mark.parametrize("b", [1, 2, 3])
 def test_greedy_rows_identical_to_target_with_float16_draft_steps(pair, counted, b):  # noqa: F811 (the fixture)
-    """Batched calls with "half": every row equals the target's batched generate (rows that end or miss leave a
-    one-row draft step, which takes the float16 copies)."""
+    """Batched calls with "half": every row equals the target's batched generate. One-row draft steps take the float16
+    copies (one prompt; in a batch, a step that drafts for one row only). Measured: b = 1 and 2 reach such steps,
+    b = 3 does not, so there only the identity is checked."""
     target, draft = pair
     hooks = {"options": lambda options: [o for o in options if o.kind == "sd"], "plain": False, "loop": "batch"}
     for seed in range(3):
@@ -312,5 +313,5 @@ def test_greedy_rows_identical_to_target_with_float16_draft_steps(pair, counted,
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=16,
                               ssd_config=hf_ssd.SSDConfig(draft_matmul="half", **QUIET), _ssd_hooks=hooks)
         assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)), seed
-    if b == 1:
+    if b <= 2:
         assert counted["half"] > 0
