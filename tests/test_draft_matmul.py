@@ -92,7 +92,7 @@ def test_auto_times_the_float16_copies_without_deadlock(monkeypatch):
 
 def test_the_float16_copies_time_is_not_the_drafts_step(monkeypatch):
     """A layer's float16 copy is made at its first one-row step, inside a round: the loop takes the copying out of
-    the round's measured draft time (`matmul.copy_seconds`), from which the scheduler prices drafting."""
+    the round's measured draft time (`matmul.setup_seconds`), from which the scheduler prices drafting."""
     target = hf_ssd.enable(make_model(0).float())
     draft = noisy_copy(target, 0.01)
     inner = matmul._half_weight
@@ -101,18 +101,18 @@ def test_the_float16_copies_time_is_not_the_drafts_step(monkeypatch):
         if layer not in matmul._halves:
             start = time.perf_counter()
             time.sleep(0.1)
-            matmul._copying[0] += time.perf_counter() - start
+            matmul.count_setup(time.perf_counter() - start)
         return inner(layer)
 
     monkeypatch.setattr(matmul, "_half_weight", slow_copy)
     matmul._halves.clear()
     layers = sum(type(m) is torch.nn.Linear for m in draft.modules())
-    before = matmul.copy_seconds()
+    before = matmul.setup_seconds()
     target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16, do_sample=False, assistant_model=draft,
                     ssd_config=hf_ssd.SSDConfig(draft_matmul="half", **QUIET),
                     _ssd_hooks={"options": lambda options: [o for o in options if o.name == "sd(g=3)"]})
     stats = hf_ssd.last_stats(target)
-    assert matmul.copy_seconds() - before >= 0.1 * layers  # every layer was copied in this call ...
+    assert matmul.setup_seconds() - before >= 0.1 * layers  # every layer was copied in this call ...
     assert stats.proposed_tokens > 0 and stats.fallback_draft_time < 0.05 * layers  # ... outside the draft's time
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -146,25 +147,76 @@ def test_stock_and_auto_on_tiny_weights_leave_the_target_alone(pair, target_call
 
 
 @pytest.mark.parametrize("verdicts", [("linear",), ("transposed", "linear"), ("transposed", "transposed")])
-def test_auto_times_the_targets_layers_at_verify_rows(monkeypatch, verdicts):
-    """At VERIFY_ROWS first; where the product won there, at VERIFY_WIDE_ROWS too, which sets the largest verify
-    (tokens in all) that takes it."""
+def test_auto_times_the_targets_layers_at_their_first_verify(monkeypatch, verdicts):
+    """Not when the call starts: at its first verify forward (a call of AR rounds only never pays), at VERIFY_ROWS
+    first, and where the product won there at VERIFY_WIDE_ROWS too, which sets the largest verify (tokens in all)
+    that takes it. The timing's seconds are the verifying thread's setup (`setup_seconds`), which the loop leaves
+    out of the verify's measured time; a later call patches by the verdicts at once."""
     model = make_model(0).float()
     monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)
     matmul._verdicts.clear()
-    timed = []
-    answers = iter(verdicts)
-    monkeypatch.setattr(matmul, "_time_products", lambda sample, rows: (timed.append(rows), next(answers))[1])
+    timed, answers = [], iter(verdicts)
+
+    def timing(sample, rows):
+        timed.append(rows)
+        time.sleep(0.05)
+        return next(answers)
+
+    monkeypatch.setattr(matmul, "_time_products", timing)
     layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(1, 3, layer.in_features)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
     with matmul.verify_matmul(model, "auto") as n:
-        assert (n > 0) is (verdicts[0] == "transposed")
+        assert n > 0 and timed == []
+        torch.testing.assert_close(layer(x), expected)  # not a verify: transformers' product, nothing timed
+        assert timed == []
+        other = []
+        thread = threading.Thread(target=lambda: other.append(matmul.setup_seconds()))
+        before = matmul.setup_seconds()
+        with matmul.verifying():
+            torch.testing.assert_close(layer(x), expected)
+            thread.start()
+            thread.join()
+        assert timed == [matmul.VERIFY_ROWS, (matmul.VERIFY_WIDE_ROWS,)][:len(verdicts)]
+        assert matmul.setup_seconds() - before >= 0.05 * len(verdicts) and other == [0.0]
         with matmul.verify_matmul(model, "auto") as m:  # a concurrent call shares the patch (and the timing)
             assert m == n
+        with matmul.verifying():
+            layer(x)
+        assert len(timed) == len(verdicts)
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    with matmul.verify_matmul(model, "auto") as n:  # timed in this process: patched by the verdicts
+        assert (n > 0) is (verdicts[0] == "transposed")
         if n:
             limit = matmul.VERIFY_WIDE_ROWS if verdicts[1] == "transposed" else matmul.MAX_ROWS
             assert layer.forward.__func__.keywords == {"max_rows": limit}
-    assert not [m for m in model.modules() if "forward" in m.__dict__]
-    assert timed == [matmul.VERIFY_ROWS, (matmul.VERIFY_WIDE_ROWS,)][:len(verdicts)]
+    assert len(timed) == len(verdicts)
+    matmul._verdicts.clear()
+
+
+def test_the_verify_products_timing_is_not_the_verifys_time(monkeypatch):
+    """The first verify that scores candidates times the target's product (1 s here): the round's measured
+    verify time, from which the scheduler prices verifying, leaves it out."""
+    target = hf_ssd.enable(make_model(0).float())
+    draft = noisy_copy(target, 0.01)
+    monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)
+    matmul._verdicts.clear()
+    timed = []
+
+    def timing(sample, rows):
+        timed.append(rows)
+        time.sleep(1.0)
+        return "linear"
+
+    monkeypatch.setattr(matmul, "_time_products", lambda sample, rows, half=False: (
+        timing(sample, rows) if rows in (matmul.VERIFY_ROWS, (matmul.VERIFY_WIDE_ROWS,)) else "linear"))
+    target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16, do_sample=False, assistant_model=draft,
+                    ssd_config=SSDConfig(**QUIET), _ssd_hooks=_only("sd"))
+    stats = hf_ssd.last_stats(target)
+    assert timed == [matmul.VERIFY_ROWS] and stats.proposed_tokens > 0
+    assert max(b - a for a, b in stats.intervals["verify"]) >= 1.0  # the round that timed took it ...
+    assert max(stats.cost_model["verify_s"].values()) < 0.05  # ... and the scheduler's price of a verify did not
+    matmul._verdicts.clear()
 
 
 @pytest.mark.parametrize("limit", [8, 16])

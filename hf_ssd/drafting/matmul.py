@@ -19,8 +19,8 @@ tokens the same over 6 HumanEval prompts x 48 tokens (`scripts/matmul_bench.py -
 took 122 and 176 ms against 109 and 111, so it serves one row only. "auto" times it on the draft's layers too. A
 product that overflows float16 is recomputed in the layer's own dtype. A layer's copy is made at its first one-row
 product, so calls that never draft one row (the target alone, batches) pay neither its time nor its memory; it
-lives as long as the layer (half the float32 weights' size). The seconds spent copying are counted apart
-(`copy_seconds`): the loop takes them out of the round's measured draft time, from which the scheduler prices a
+lives as long as the layer (half the float32 weights' size). The seconds spent copying are counted apart, per thread
+(`setup_seconds`): the loop takes them out of the round's measured draft time, from which the scheduler prices a
 draft step.
 
 The draft (`draft_matmul`): it only proposes. Greedy identity rests on the target's own argmax, and speculative
@@ -34,6 +34,9 @@ logits of a 2-8-token verify differed from one-token steps by at most 1.7-2.4e-5
 transposed, the argmax the same. Its one-token steps, its prompt prefill and plain batched decoding keep
 transformers' own product, bit for bit. On a 2-vCPU AMD EPYC the 1.5B target verified 4 tokens in 0.35 s
 transposed against 0.84 s (a one-token step: 0.38 s), which is what makes SD pay at batch 1 on such a CPU.
+"auto" times the target's products at its first verify that scores candidates (`_VerifyLimit`), not when the call
+starts: a call that only runs AR rounds (a first call on prompts where the draft helps little) never pays the timing,
+about 0.25 s of the real pair's first call. Those seconds count as setup too: the verify's measured time leaves them out.
 """
 
 from __future__ import annotations
@@ -66,8 +69,7 @@ _active = {"draft": weakref.WeakKeyDictionary(), "verify": weakref.WeakKeyDictio
 _verifying = threading.local()  # .on: this thread runs a verify forward (`verifying`)
 # layer -> ((weight's data_ptr, version), its float16 copy): made at the layer's first one-row half product
 _halves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_copying = [0.0]  # seconds spent making float16 copies in this process (`copy_seconds`)
-_clock_lock = threading.Lock()
+_setup = threading.local()  # .seconds: one-time work inside this thread's forwards (`setup_seconds`)
 
 
 def _transposed_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
@@ -91,15 +93,20 @@ def _half_weight(layer: torch.nn.Linear) -> torch.Tensor:
     if entry is None or entry[0] != stamp:
         start = time.perf_counter()
         entry = _halves[layer] = (stamp, w.detach().to(torch.float16))
-        with _clock_lock:  # not `_lock`: "auto" times this under it (`_patched` plans while holding it)
-            _copying[0] += time.perf_counter() - start
+        count_setup(time.perf_counter() - start)
     return entry[1]
 
 
-def copy_seconds() -> float:
-    """Seconds this process has spent making float16 copies (`_half_weight`), on any thread: a timed stretch
-    subtracts what it grew by, so that a one-time copy does not price the draft's step."""
-    return _copying[0]
+def count_setup(seconds: float) -> None:
+    _setup.seconds = setup_seconds() + seconds
+
+
+def setup_seconds() -> float:
+    """Seconds this thread has spent on one-time work inside forwards: float16 copies (`_half_weight`) and the
+    timing of the target's verify product (`_VerifyLimit`). A timed stretch subtracts what it grew by, so that
+    one-time work prices neither a draft step nor a verify. Per thread: a speculation job's draft steps are timed on
+    its own thread while the caller's verify may be timing products."""
+    return getattr(_setup, "seconds", 0.0)
 
 
 def _half_product(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -122,12 +129,45 @@ def _draft_forward(self: torch.nn.Linear, x: torch.Tensor, half: bool = False, t
     return F.linear(x, self.weight, self.bias)
 
 
-def _verify_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int = MAX_ROWS) -> torch.Tensor:
+def _verify_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int | Callable[[], int] = MAX_ROWS
+                    ) -> torch.Tensor:
     """A target layer: the transposed product inside `verifying()` on this thread (up to `max_rows` tokens in
-    all), else transformers' own."""
+    all; a callable gives that limit at the first verify, 0 for none), else transformers' own."""
     if getattr(_verifying, "on", False):
-        return _transposed_forward(self, x, max_rows)
+        limit = max_rows if isinstance(max_rows, int) else max_rows()
+        if limit:
+            return _transposed_forward(self, x, limit)
     return F.linear(x, self.weight, self.bias)
+
+
+class _VerifyLimit:
+    """The largest verify (tokens in all) that takes the transposed product on one target's layers under "auto",
+    timed at the first verify forward that asks (`_verify_limit`); once per process and thread count, as every
+    verdict. Its seconds count as this thread's setup (`setup_seconds`). A speculation job may be drafting on
+    another thread meanwhile: both products are timed interleaved, so that load weighs on both."""
+
+    def __init__(self, layers: list[torch.nn.Linear]):
+        self.layers, self.limit, self.lock = layers, None, threading.Lock()
+
+    def __call__(self) -> int:
+        if self.limit is None:
+            with self.lock:
+                if self.limit is None:
+                    start = time.perf_counter()
+                    self.limit = _verify_limit(self.layers)
+                    count_setup(time.perf_counter() - start)
+        return self.limit
+
+
+def _verify_limit(layers: list[torch.nn.Linear], timing: bool = True) -> int | None:
+    """The verify limit for `layers` under "auto": 0 where the transposed product did not win at VERIFY_ROWS,
+    else VERIFY_WIDE_ROWS where it won there too, else MAX_ROWS. Without `timing`, None where a verdict it needs
+    has not been timed yet in this process."""
+    pays = transposed_pays(layers, VERIFY_ROWS, small=False, count=VERIFY_TIMED_LAYERS, timing=timing)
+    if pays is None or not pays:
+        return None if pays is None else 0
+    wide = transposed_pays(layers, (VERIFY_WIDE_ROWS,), small=False, count=VERIFY_TIMED_LAYERS, timing=timing)
+    return None if wide is None else VERIFY_WIDE_ROWS if wide else MAX_ROWS
 
 
 @contextlib.contextmanager
@@ -166,11 +206,11 @@ def _commonest(layers: list[torch.nn.Linear], count: int) -> list[torch.nn.Linea
 
 @torch.no_grad()
 def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED_ROWS, small: bool = True,
-                    count: int = TIMED_LAYERS) -> bool:
+                    count: int = TIMED_LAYERS, timing: bool = True) -> bool | None:
     """Whether the transposed product beats `linear` on this CPU for `layers`' commonest weight shape (by
     parameters), timed once per process and thread count over up to `count` of those layers at `rows` rows, the
     best of three passes of each; a tie keeps `linear`. Weights under TIMED_MIN_PARAMS are not timed: the answer
-    is `small`."""
+    is `small`. Without `timing`, None where it has not been timed yet."""
     if not layers:
         return False
     sample = _commonest(layers, count)
@@ -178,6 +218,8 @@ def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED
         return small
     key = (tuple(sample[0].weight.shape), sample[0].weight.dtype, torch.get_num_threads(), tuple(rows))
     if key not in _verdicts:
+        if not timing:
+            return None
         _verdicts[key] = _time_products(sample, rows) == "transposed"
     return _verdicts[key]
 
@@ -255,6 +297,7 @@ def verify_matmul(target: torch.nn.Module, mode: str):
     """For one generate call: the target's CPU linear layers take the transposed product in its verify forwards
     (`verifying`), where "auto" timed it faster at VERIFY_ROWS rows (see module doc), in verifies of up to
     MAX_ROWS tokens in all, or VERIFY_WIDE_ROWS where it also timed faster there; tiny weights keep `linear`.
+    Not timed yet in this process: the layers are patched, and the first verify times them (`_VerifyLimit`).
     Concurrent calls on one target share the patch, as `draft_matmul`'s do."""
     if mode == "stock":
         yield 0
@@ -264,10 +307,10 @@ def verify_matmul(target: torch.nn.Module, mode: str):
         found = [m for m in target.modules() if wanted(mode, m)]
         if mode == "transposed":
             return found, functools.partial(_verify_forward, max_rows=VERIFY_WIDE_ROWS)
-        if not transposed_pays(found, VERIFY_ROWS, small=False, count=VERIFY_TIMED_LAYERS):
+        limit = _verify_limit(found, timing=False)
+        if limit == 0:
             return [], None
-        wide = transposed_pays(found, (VERIFY_WIDE_ROWS,), small=False, count=VERIFY_TIMED_LAYERS)
-        return found, functools.partial(_verify_forward, max_rows=VERIFY_WIDE_ROWS if wide else MAX_ROWS)
+        return found, functools.partial(_verify_forward, max_rows=_VerifyLimit(found) if limit is None else limit)
 
     with _patched("verify", target, plan) as n:
         yield n

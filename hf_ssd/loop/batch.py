@@ -40,7 +40,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..drafting.batch import BatchDrafter
 from ..drafting.drafter import CONTEXT_FREE
 from ..drafting.fallback import ngram_lookup
-from ..drafting.matmul import copy_seconds, verifying
+from ..drafting.matmul import setup_seconds, verifying
 from ..drafting.probe import step_seconds
 from ..scheduling.costs import cost_model_for, estimates_of
 from ..scheduling.schedule import (
@@ -519,9 +519,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             _threads(rnd.option, ssd_cpu_threads)
             with speculator.on_critical_path():
                 rnd.catch_up_s = _catch_up(drafter, live, rnd, own.costs, ngram)
-                t0, copied = time.perf_counter(), copy_seconds()  # the draft's time from here: its steps
+                t0, copied = time.perf_counter(), setup_seconds()  # the draft's time from here: its steps
                 _propose(drafter, live, rnd, ngram, _held(scheduler, rnd.option, drafter))
-            t1, copied = time.perf_counter(), copy_seconds() - copied  # a first one-row step's float16 copies
+            t1, copied = time.perf_counter(), setup_seconds() - copied  # a first one-row step's float16 copies
             feed = _verify_feed(target, live, rnd.candidates, pad)  # before the job starts: see `_verify_feed`
             # The job measures the last round, decides the next round's option, then pre-drafts it if it is SSD
             # (in the prefill round too: its job pre-drafts round 2 behind the prefill). One prompt's AR and SD
@@ -531,8 +531,9 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 _submit(speculator, drafter, live, rnd, scheduler, allowed, inference, calibration, ssd_hooks or {},
                         measure, max_length)
                 measure = None
-            t2 = time.perf_counter()  # inline, the job ran in between: it is overhead
+            t2, timed = time.perf_counter(), setup_seconds()  # inline, the job ran in between: it is overhead
             logits, fed = _verify(target, feed, speculator.start)
+            timed = setup_seconds() - timed  # a first verify's timing of the target's product (`verify_matmul`)
             scores = process(live, rnd.candidates, logits)
             new_tokens = _accept(rnd, scores, do_sample)
             t3 = time.perf_counter()
@@ -546,7 +547,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
                 streamer.put(torch.tensor(live[0].ids[-kept[0]:]))
             with speculator.on_critical_path():
                 _adopt(drafter, live, rnd)
-            rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0 - copied, t3 - t2, (t0, t1, t2, t3)
+            rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0 - copied, t3 - t2 - timed, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
             done = functools.partial(_measure, own, stats, rnd, list(live), [r.tops for r in live], sum(kept),
                                      first, do_sample, calibration, ssd_config.record_timeline, own.job_budget)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafting.batch import BatchDrafter
-from ..drafting.matmul import copy_seconds
+from ..drafting.matmul import setup_seconds
 from ..loop.ragged import RaggedCache
 from .fanout import fanout_split
 from .outcomes import Outcome, placeholder_top, predict_outcomes, rank_outcomes
@@ -146,7 +146,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
     tree.setup_s = time.perf_counter() - start
     # Per step only whole-tensor work: this thread's Python holds the interpreter lock the verifying caller needs.
     for j in range(steps):
-        t, copied = time.perf_counter(), copy_seconds()
+        t, copied = time.perf_counter(), setup_seconds()
         if should_stop() or (deadline is not None and step_s is not None and t + step_s > deadline + grace(j)):
             break
         if j:  # a copy's step-j token is its candidate j (j - 1 for a late one); full copies feed nothing
@@ -172,7 +172,7 @@ def speculate(drafter: BatchDrafter, rows, candidates: list[list[int]], gamma: i
         tree.tops.append(top)
         if drafter.do_sample:
             tree.probs.append(drawn)
-        step_s = time.perf_counter() - t - (copy_seconds() - copied)  # less a first one-row step's float16 copies
+        step_s = time.perf_counter() - t - (setup_seconds() - copied)  # less a first one-row step's float16 copies
         tree.steps.append((len(branches), step_s))
         ids, pos, nxt = chosen[:, None], nxt, nxt + 1
 
