@@ -29,6 +29,13 @@ its second whatever the method (measured: the target alone 25.6-27.5 s first aga
 report gives each method's seconds by its position in the process (first, second, third), beside its seconds
 over all processes.
 
+Each child also times the target's own forwards (hooks on the target model: on CPU they return when done) and
+reports each call's seconds outside them: the set-up, the probe, the draft's work, the loop. Where SSD's call ran
+as many target forwards as the target alone's (every round AR, as on these prompts), the two calls did the same
+forward work, and the machine's speed, which moves by 10% between calls, can be taken out of the comparison: the
+"same-forwards" ratio is the target alone's seconds over (its forward seconds + SSD's seconds outside them),
+summed over the processes.
+
     flock /tmp/realpair.lock python scripts/first_call_bench.py --processes 9      # ~16 minutes
 """
 
@@ -79,6 +86,20 @@ def stdlib_prompts(n: int) -> list[str]:
 
 
 HOOKS: dict = {}  # --assisted: the SSD calls' `_ssd_hooks`
+FORWARDS = {"seconds": 0.0, "count": 0, "start": None}  # the target's forwards in the current call (`timed_forwards`)
+
+
+def timed_forwards(model) -> None:
+    """Count and time `model`'s forwards (the top-level module's: one per decoding step or verify)."""
+    def pre(module, args):
+        FORWARDS["start"] = time.perf_counter()
+
+    def post(module, args, out):
+        FORWARDS["seconds"] += time.perf_counter() - FORWARDS["start"]
+        FORWARDS["count"] += 1
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)
 
 
 def call(method, target, draft, ids, new):
@@ -89,6 +110,7 @@ def call(method, target, draft, ids, new):
     elif BASELINES[method] is not None:
         kw["assistant_model"] = draft
         settings = assistant_settings(draft, **BASELINES[method])
+    FORWARDS.update(seconds=0.0, count=0)
     with settings, torch.inference_mode():
         start = time.perf_counter()
         out = target.generate(ids, **kw)
@@ -141,11 +163,13 @@ def main(argv=None):
         for m in (target, draft):
             m.generate(prompts[0], max_new_tokens=2, do_sample=False, attention_mask=torch.ones_like(prompts[0]))
     if args.child:  # --processes: each method's first call in this process
-        outs, seconds = {}, {}
+        timed_forwards(target)
+        outs, seconds, inside = {}, {}, {}
         for m in args.child.split(","):
             outs[m], seconds[m], _ = call(m, target, draft, prompts[0], new)
+            inside[m] = (FORWARDS["seconds"], FORWARDS["count"])
         assert all(o == outs["target"] for o in outs.values()), "a method differs from the target alone"
-        print(json.dumps({"seconds": seconds, "threads": torch.get_num_threads()}))
+        print(json.dumps({"seconds": seconds, "forwards": inside, "threads": torch.get_num_threads()}))
         return
 
     reference = call("target", target, draft, prompts[0], new)[0]  # prompt 0's greedy output, the target alone
@@ -201,6 +225,7 @@ def first_calls(args) -> None:
     methods = ["ssd", "target", "assisted"]
     totals, rows = dict.fromkeys(methods, 0.0), []
     at = [{m: {} for m in methods} for _ in methods]  # position -> method -> prompt -> seconds of each call
+    same = [0.0, 0.0, 0]  # same-forwards processes: the target's seconds, its forwards' + SSD's outside, count
     for i in range(args.processes):
         order, prompt = methods[i % 3:] + methods[: i % 3], (i // 3) % args.prompts
         cmd = [sys.executable, __file__, "--child", ",".join(order), "--prompt-index", str(prompt),
@@ -210,7 +235,12 @@ def first_calls(args) -> None:
         if done.returncode:
             sys.exit(f"child {i} failed:\n{done.stderr[-3000:]}")
         report = json.loads(done.stdout.strip().splitlines()[-1])
-        seconds, threads = report["seconds"], report["threads"]
+        seconds, threads, inside = report["seconds"], report["threads"], report["forwards"]
+        outside = {m: seconds[m] - inside[m][0] for m in methods}
+        if inside["ssd"][1] == inside["target"][1]:  # the same forward work: SSD's rounds were all AR
+            same[0] += seconds["target"]
+            same[1] += inside["target"][0] + outside["ssd"]
+            same[2] += 1
         for m in methods:
             totals[m] += seconds[m]
         for pos, m in enumerate(order):
@@ -219,7 +249,9 @@ def first_calls(args) -> None:
         rows.append(seconds)
         print(f"process {i} (prompt {prompt}, order {' '.join(order)}): " +
               ", ".join(f"{m} {s:.2f}s" for m, s in seconds.items()) +
-              f" -> SSD / best ({best}) = {seconds[best] / seconds['ssd']:.3f}x", flush=True)
+              f" -> SSD / best ({best}) = {seconds[best] / seconds['ssd']:.3f}x; target forwards: " +
+              ", ".join(f"{m} {inside[m][1]} in {inside[m][0]:.2f}s" for m in methods) + "; outside them: " +
+              ", ".join(f"{m} {outside[m]:.2f}s" for m in methods), flush=True)
     best = min(("target", "assisted"), key=totals.get)
     print(f"first calls over {args.processes} processes, {args.max_new_tokens} new tokens each, greedy, "
           f"{threads} torch threads; outputs identical to the target alone")
@@ -227,6 +259,10 @@ def first_calls(args) -> None:
           f" -> SSD / best ({best}) = {totals[best] / totals['ssd']:.3f}x")
     ratios = sorted(r[min(('target', 'assisted'), key=r.get)] / r["ssd"] for r in rows)
     print(f"per process SSD / best: {', '.join(f'{x:.3f}' for x in ratios)} (median {ratios[len(ratios) // 2]:.3f})")
+    if same[2]:
+        print(f"same-forwards ratio over the {same[2]} processes whose SSD call ran the target alone's forwards: "
+              f"target alone {same[0]:.2f}s, its forwards + SSD's time outside them {same[1]:.2f}s -> "
+              f"{same[0] / same[1]:.3f}x")
     # By position in the process (a process's first long generate is slower whatever the method): each method's
     # mean seconds per prompt, summed over the prompts where every method ran at that position.
     for pos, name in enumerate(("first", "second", "third")):
