@@ -23,6 +23,7 @@ from test_verify_matmul import _batch, pair  # noqa: F401  (a fixture: SDPA, so 
 
 import hf_ssd
 from hf_ssd.drafting import matmul
+from hf_ssd.scheduling import profile
 
 QUIET = {"hit_rate_warning": 0.0}
 
@@ -86,7 +87,7 @@ def test_auto_times_the_float16_copies_without_deadlock(monkeypatch):
     worker.start()
     worker.join(timeout=60)
     assert done, "draft_matmul('auto') hung while timing the float16 copies"
-    assert any(key[-1] == "half" for key in matmul._verdicts)  # the float16 copies were really timed
+    assert any(key.endswith("/half") for key in matmul._verdicts)  # the float16 copies were really timed
     matmul._verdicts.clear()
 
 
@@ -315,3 +316,42 @@ def test_greedy_rows_identical_to_target_with_float16_draft_steps(pair, counted,
         assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)), seed
     if b <= 2:
         assert counted["half"] > 0
+
+
+def test_auto_verdicts_are_remembered_on_disk_for_later_processes(monkeypatch, tmp_path):
+    """A verdict timed once is written under <cache>/matmul/; a later process (here: this one's verdicts forgotten)
+    takes it without timing. Another machine, HF_SSD_NO_PROFILE=1 or a damaged file: timed again."""
+    monkeypatch.delenv(profile.NO_PROFILE_ENV, raising=False)
+    monkeypatch.setenv(profile.PROFILES_ENV, str(tmp_path / "profiles"))
+    monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)
+    timed = []
+    monkeypatch.setattr(matmul, "_time_products", lambda sample, rows, half=False: (
+        timed.append(rows), "half" if half else "transposed")[1])
+    layers = [torch.nn.Linear(8, 16)]
+
+    def new_process():
+        monkeypatch.setattr(matmul, "_verdicts", {})
+        monkeypatch.setattr(matmul, "_read", set())
+
+    new_process()
+    assert matmul.transposed_pays(layers) is True and matmul.half_pays(layers) is True and len(timed) == 2
+    [file] = (tmp_path / "matmul").glob("*.json")
+    new_process()
+    assert matmul.transposed_pays(layers, timing=False) is True and matmul.half_pays(layers) is True
+    assert len(timed) == 2  # remembered: nothing timed
+    machine = profile.machine
+    monkeypatch.setattr(profile, "machine", lambda: {"cpu": "another"})
+    new_process()
+    assert matmul.transposed_pays(layers, timing=False) is None  # another machine's file: none yet
+    assert matmul.transposed_pays(layers) is True and len(timed) == 3
+    assert len(list((tmp_path / "matmul").glob("*.json"))) == 2
+    monkeypatch.setenv(profile.NO_PROFILE_ENV, "1")
+    new_process()
+    assert matmul.transposed_pays(layers, timing=False) is None and matmul.transposed_pays(layers) is True
+    assert len(timed) == 4 and len(list((tmp_path / "matmul").glob("*.json"))) == 2
+    monkeypatch.delenv(profile.NO_PROFILE_ENV)
+    monkeypatch.setattr(profile, "machine", machine)  # the first machine again, its file damaged
+    file.write_text("{damaged", encoding="utf-8")
+    monkeypatch.setattr(matmul, "_time_products", lambda sample, rows, half=False: (timed.append(rows), "linear")[1])
+    new_process()
+    assert matmul.transposed_pays(layers) is False and len(timed) == 5

@@ -155,12 +155,12 @@ def test_auto_times_the_targets_layers_at_their_first_verify(monkeypatch, verdic
     model = make_model(0).float()
     monkeypatch.setattr(matmul, "TIMED_MIN_PARAMS", 0)
     matmul._verdicts.clear()
-    timed, answers = [], iter(verdicts)
+    timed, answers = [], dict(zip((matmul.VERIFY_ROWS, (matmul.VERIFY_WIDE_ROWS,)), verdicts))
 
     def timing(sample, rows):
         timed.append(rows)
         time.sleep(0.05)
-        return next(answers)
+        return answers[rows]
 
     monkeypatch.setattr(matmul, "_time_products", timing)
     layer = model.model.layers[0].mlp.up_proj
@@ -184,13 +184,21 @@ def test_auto_times_the_targets_layers_at_their_first_verify(monkeypatch, verdic
         with matmul.verifying():
             layer(x)
         assert len(timed) == len(verdicts)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads + 1)  # a round with other threads: its own verdicts
+        try:
+            with matmul.verifying():
+                layer(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert len(timed) == 2 * len(verdicts)
     assert not [m for m in model.modules() if "forward" in m.__dict__]
     with matmul.verify_matmul(model, "auto") as n:  # timed in this process: patched by the verdicts
         assert (n > 0) is (verdicts[0] == "transposed")
         if n:
             limit = matmul.VERIFY_WIDE_ROWS if verdicts[1] == "transposed" else matmul.MAX_ROWS
             assert layer.forward.__func__.keywords == {"max_rows": limit}
-    assert len(timed) == len(verdicts)
+    assert len(timed) == 2 * len(verdicts)
     matmul._verdicts.clear()
 
 

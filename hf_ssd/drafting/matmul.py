@@ -37,20 +37,29 @@ transposed against 0.84 s (a one-token step: 0.38 s), which is what makes SD pay
 "auto" times the target's products at its first verify that scores candidates (`_VerifyLimit`), not when the call
 starts: a call that only runs AR rounds (a first call on prompts where the draft helps little) never pays the timing,
 about 0.25 s of the real pair's first call. Those seconds count as setup too: the verify's measured time leaves them out.
+
+"auto"'s verdicts are remembered on disk (`<cache>/matmul/<key>.json`, keyed on the machine and the versions of
+hf_ssd, torch, transformers and Python; off with HF_SSD_NO_PROFILE=1, as profiles are), so that later processes on
+the machine skip the timings: 0.3-0.4 s of a first call with the real pair. Delete the folder to time them again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import threading
 import time
 import types
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..scheduling import profile
 
 MAX_ROWS = 8  # above this the stock kernel is as fast (measured: 1.1x at 8 rows, equal at 16)
 TIMED_ROWS = (1, 4)  # the draft's usual steps: one trunk row, a few branches
@@ -143,20 +152,22 @@ def _verify_forward(self: torch.nn.Linear, x: torch.Tensor, max_rows: int | Call
 class _VerifyLimit:
     """The largest verify (tokens in all) that takes the transposed product on one target's layers under "auto",
     timed at the first verify forward that asks (`_verify_limit`); once per process and thread count, as every
-    verdict. Its seconds count as this thread's setup (`setup_seconds`). A speculation job may be drafting on
-    another thread meanwhile: both products are timed interleaved, so that load weighs on both."""
+    verdict (a round of an option with fewer threads verifies with fewer). Its seconds count as this thread's setup
+    (`setup_seconds`). A speculation job may be drafting on another thread meanwhile: both products are timed
+    interleaved, so that load weighs on both."""
 
     def __init__(self, layers: list[torch.nn.Linear]):
-        self.layers, self.limit, self.lock = layers, None, threading.Lock()
+        self.layers, self.limits, self.lock = layers, {}, threading.Lock()
 
     def __call__(self) -> int:
-        if self.limit is None:
+        threads = torch.get_num_threads()
+        limit = self.limits.get(threads)
+        if limit is None:
             with self.lock:
-                if self.limit is None:
-                    start = time.perf_counter()
-                    self.limit = _verify_limit(self.layers)
-                    count_setup(time.perf_counter() - start)
-        return self.limit
+                start = time.perf_counter()
+                limit = self.limits[threads] = _verify_limit(self.layers)  # at once where timed already
+                count_setup(time.perf_counter() - start)
+        return limit
 
 
 def _verify_limit(layers: list[torch.nn.Linear], timing: bool = True) -> int | None:
@@ -192,7 +203,8 @@ def wanted(mode: str, module: torch.nn.Module) -> bool:
     return mode != "auto" or w.dtype == torch.float32  # auto: the measured case only
 
 
-_verdicts: dict = {}  # (weight shape, dtype, torch threads, rows timed) -> whether the transposed product ran faster
+_verdicts: dict = {}  # "shape/dtype/threads/rows timed" -> whether that product ran faster (`_verdict`)
+_read: set = set()  # the verdict files this process has read (`_remembered`)
 
 
 def _commonest(layers: list[torch.nn.Linear], count: int) -> list[torch.nn.Linear]:
@@ -216,12 +228,8 @@ def transposed_pays(layers: list[torch.nn.Linear], rows: tuple[int, ...] = TIMED
     sample = _commonest(layers, count)
     if sample[0].weight.numel() < TIMED_MIN_PARAMS:  # cheap either way: a stable choice for tiny models
         return small
-    key = (tuple(sample[0].weight.shape), sample[0].weight.dtype, torch.get_num_threads(), tuple(rows))
-    if key not in _verdicts:
-        if not timing:
-            return None
-        _verdicts[key] = _time_products(sample, rows) == "transposed"
-    return _verdicts[key]
+    return _verdict(_key(sample, ",".join(map(str, rows))),
+                    (lambda: _time_products(sample, rows) == "transposed") if timing else None)
 
 
 @torch.no_grad()
@@ -233,13 +241,58 @@ def half_pays(layers: list[torch.nn.Linear]) -> bool:
     sample = _commonest(layers, TIMED_LAYERS)
     if sample[0].weight.numel() < TIMED_MIN_PARAMS:
         return False
-    key = (tuple(sample[0].weight.shape), sample[0].weight.dtype, torch.get_num_threads(), "half")
-    if key not in _verdicts:
-        _verdicts[key] = _time_products(sample, (HALF_ROWS,), half=True) == "half"
-        if not _verdicts[key]:  # the timing's copies serve nothing
+
+    def measure() -> bool:
+        pays = _time_products(sample, (HALF_ROWS,), half=True) == "half"
+        if not pays:  # the timing's copies serve nothing
             for m in sample:
                 _halves.pop(m, None)
+        return pays
+
+    return _verdict(_key(sample, "half"), measure)
+
+
+def _key(sample: list[torch.nn.Linear], timed: str) -> str:
+    w = sample[0].weight
+    return f"{'x'.join(map(str, w.shape))}/{str(w.dtype).removeprefix('torch.')}/{torch.get_num_threads()}/{timed}"
+
+
+def _verdict(key: str, measure: Callable[[], bool] | None) -> bool | None:
+    """The verdict of `key`: this process's, else one remembered on disk (`_remembered`), else `measure()`'s, then
+    remembered; None without `measure` where there is none yet."""
+    if key not in _verdicts:
+        path = _remembered()
+        if key not in _verdicts:
+            if measure is None:
+                return None
+            _verdicts[key] = measure()
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    profile.write_atomic(path, {"verdicts": {**_on_disk(path), key: _verdicts[key]}})
     return _verdicts[key]
+
+
+def _remembered() -> Path | None:
+    """The verdict file of this machine and these versions, read into `_verdicts` once per process (a verdict
+    this process timed stays); None with profiles off (HF_SSD_NO_PROFILE=1, as in the test suite)."""
+    if not profile.enabled():
+        return None
+    key = {"machine": profile.machine(), "versions": profile.versions()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = profile.profiles_dir().parent / "matmul" / f"{digest}.json"
+    if path not in _read:
+        _read.add(path)
+        for k, v in _on_disk(path).items():
+            _verdicts.setdefault(k, v)
+    return path
+
+
+def _on_disk(path: Path) -> dict:
+    """The verdicts a file holds ({} where it is missing or damaged)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        saved = json.loads(path.read_text(encoding="utf-8")).get("verdicts", {})
+        return {k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, bool)}
+    return {}
 
 
 def _time_products(sample: list[torch.nn.Linear], timed_rows: tuple[int, ...] = TIMED_ROWS,
