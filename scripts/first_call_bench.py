@@ -36,7 +36,11 @@ forward work, and the machine's speed, which moves by 10% between calls, can be 
 "same-forwards" ratio is the target alone's seconds over (its forward seconds + SSD's seconds outside them),
 summed over the processes.
 
-    flock /tmp/realpair.lock python scripts/first_call_bench.py --processes 9      # ~16 minutes
+    flock /tmp/realpair.lock python scripts/first_call_bench.py --processes 9      # ~19 minutes
+
+--remembered (with --processes): what a later program on the machine gets. The children keep what hf_ssd remembers
+on disk (the draft's probe verdict, "auto"'s matmul verdicts; no tuning profile, which only `hf-ssd tune` writes), in
+a fresh temporary folder that one SSD call of a priming child fills first.
 """
 
 from __future__ import annotations
@@ -48,10 +52,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-os.environ["HF_SSD_NO_PROFILE"] = "1"  # a first call that knows nothing: what a new program gets
+REMEMBERED_ENV = "FIRST_CALL_BENCH_REMEMBERED"  # set by --remembered for its children: keep hf_ssd's disk memory
+if not os.environ.get(REMEMBERED_ENV):
+    os.environ["HF_SSD_NO_PROFILE"] = "1"  # a first call that knows nothing: what a new program gets
 
 import torch  # noqa: E402
 
@@ -136,6 +143,8 @@ def main(argv=None):
                         "generator) instead of hf_ssd's own loop, the default")
     p.add_argument("--processes", type=int, default=0,
                    help="first calls only, each method's in each of this many fresh processes (see above)")
+    p.add_argument("--remembered", action="store_true",
+                   help="with --processes: the children keep hf_ssd's disk memory, primed by one SSD call (see above)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # --processes: the methods' order in one child
     p.add_argument("--prompt-index", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -226,12 +235,25 @@ def first_calls(args) -> None:
     totals, rows = dict.fromkeys(methods, 0.0), []
     at = [{m: {} for m in methods} for _ in methods]  # position -> method -> prompt -> seconds of each call
     same = [0.0, 0.0, 0]  # same-forwards processes: the target's seconds, its forwards' + SSD's outside, count
+    env, memory = dict(os.environ), None
+    if args.remembered:
+        memory = tempfile.TemporaryDirectory(prefix="first_call_bench_")
+        env.update({REMEMBERED_ENV: "1", "HF_SSD_NO_PROFILE": "0", "HF_SSD_PROFILES": f"{memory.name}/profiles"})
+
+    def child(order: list[str], prompt: int, new: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, __file__, "--child", ",".join(order), "--prompt-index", str(prompt),
+               "--prompts", str(args.prompts), "--max-new-tokens", str(new)]
+        cmd += ["--tiny"] * args.tiny + ["--assisted"] * args.assisted
+        return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+    if args.remembered:
+        done = child(["ssd", "target"], 0, 8)
+        if done.returncode:
+            sys.exit(f"the priming child failed:\n{done.stderr[-3000:]}")
+        print(f"primed: {sorted(str(p.relative_to(memory.name)) for p in Path(memory.name).rglob('*.json'))}")
     for i in range(args.processes):
         order, prompt = methods[i % 3:] + methods[: i % 3], (i // 3) % args.prompts
-        cmd = [sys.executable, __file__, "--child", ",".join(order), "--prompt-index", str(prompt),
-               "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
-        cmd += ["--tiny"] * args.tiny + ["--assisted"] * args.assisted
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = child(order, prompt, args.max_new_tokens)
         if done.returncode:
             sys.exit(f"child {i} failed:\n{done.stderr[-3000:]}")
         report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -254,7 +276,8 @@ def first_calls(args) -> None:
               ", ".join(f"{m} {outside[m]:.2f}s" for m in methods), flush=True)
     best = min(("target", "assisted"), key=totals.get)
     print(f"first calls over {args.processes} processes, {args.max_new_tokens} new tokens each, greedy, "
-          f"{threads} torch threads; outputs identical to the target alone")
+          f"{threads} torch threads; outputs identical to the target alone; hf_ssd's disk memory "
+          f"{'kept (primed)' if args.remembered else 'off'}")
     print("summed seconds: " + ", ".join(f"{m} {s:.2f}" for m, s in totals.items()) +
           f" -> SSD / best ({best}) = {totals[best] / totals['ssd']:.3f}x")
     ratios = sorted(r[min(('target', 'assisted'), key=r.get)] / r["ssd"] for r in rows)
