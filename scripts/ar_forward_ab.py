@@ -5,7 +5,12 @@ scripts/first_call_bench.py; hooks on the target time each of its forwards. Same
 of their decode-step seconds says whether the loop's forwards (explicit positions and mask, its own cache layers)
 cost what transformers' own do. Prints numbers; not a test.
 
-    flock /tmp/realpair.lock python scripts/ar_forward_ab.py [NEW_TOKENS=32] [PAIRS=6]
+    flock /tmp/realpair.lock python scripts/ar_forward_ab.py [NEW_TOKENS=32] [PAIRS=6] [FIRST=target|ssd]
+
+Fresh processes (one pair each, the first method alternating), as a process's first calls run:
+
+    for i in 0 1 2 3 4 5; do first=$([ $((i % 2)) = 0 ] && echo target || echo ssd)
+        flock /tmp/realpair.lock python scripts/ar_forward_ab.py 48 1 $first; done
 """
 import os
 import runpy
@@ -29,6 +34,7 @@ from hf_ssd.models.pairs import load_default_pair  # noqa: E402
 def main() -> None:
     new = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    flip = int(len(sys.argv) > 3 and sys.argv[3] == "ssd")  # the first pair starts with the loop
     target, draft, tok = load_default_pair(dtype=torch.float32, device=torch.device("cpu"))
     hf_ssd.enable(target)
     for m in (target, draft):
@@ -61,7 +67,7 @@ def main() -> None:
             m.generate(ids, max_new_tokens=2, do_sample=False, attention_mask=torch.ones_like(ids))
     res, ref = {False: [], True: []}, None
     for i in range(pairs):
-        for ssd in ((False, True) if i % 2 == 0 else (True, False)):
+        for ssd in ((False, True) if (i + flip) % 2 == 0 else (True, False)):
             out, wall, ts = run(ssd)
             ref = out if ref is None else ref
             assert torch.equal(out, ref), "the loop's output differs from the target alone"
