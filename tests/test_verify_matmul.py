@@ -218,8 +218,10 @@ def test_the_verify_products_timing_is_not_the_verifys_time(monkeypatch):
 
     monkeypatch.setattr(matmul, "_time_products", lambda sample, rows, half=False: (
         timing(sample, rows) if rows in (matmul.VERIFY_ROWS, (matmul.VERIFY_WIDE_ROWS,)) else "linear"))
-    target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16, do_sample=False, assistant_model=draft,
-                    ssd_config=SSDConfig(**QUIET), _ssd_hooks=_only("sd"))
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    out = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft,
+                          ssd_config=SSDConfig(**QUIET), _ssd_hooks=_only("sd"))
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=16, do_sample=False))
     stats = hf_ssd.last_stats(target)
     assert timed == [matmul.VERIFY_ROWS] and stats.proposed_tokens > 0
     assert max(b - a for a, b in stats.intervals["verify"]) >= 1.0  # the round that timed took it ...

@@ -175,7 +175,7 @@ def _verify_limit(layers: list[torch.nn.Linear], timing: bool = True) -> int | N
     else VERIFY_WIDE_ROWS where it won there too, else MAX_ROWS. Without `timing`, None where a verdict it needs
     has not been timed yet in this process."""
     pays = transposed_pays(layers, VERIFY_ROWS, small=False, count=VERIFY_TIMED_LAYERS, timing=timing)
-    if pays is None or not pays:
+    if not pays:
         return None if pays is None else 0
     wide = transposed_pays(layers, (VERIFY_WIDE_ROWS,), small=False, count=VERIFY_TIMED_LAYERS, timing=timing)
     return None if wide is None else VERIFY_WIDE_ROWS if wide else MAX_ROWS
