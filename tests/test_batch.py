@@ -978,6 +978,55 @@ def test_a_loop_call_sums_its_rounds_tokens_a_row(pair, monkeypatch, name):
     assert plan_costs(target, draft, 4).straggle.count == 1
 
 
+def test_what_says_nothing_steady_about_an_option_is_not_measured_as_it(pair, monkeypatch):
+    """The estimates that rate an option leave out (`Round.typical`): a round whose candidates the length left
+    cut (a call's last rounds), the set-up and lookups of a job that allocated its buffers (a call's first job:
+    fresh memory's page faults, once) and the round that job served; and no row with one token left counts as a
+    hit or a miss. Inline jobs run to their end, so every round but the first two has its branches."""
+    target, _, _ = pair
+    draft = noisy_copy(target, 0.02)  # estimates of its own
+    cls = hf_ssd.scheduling.costs.CostModel
+    rounds, recorded, setups, lookups = [], [], [], []
+    now = {}
+    measure, outcome, record, looked = loop._measure, cls.add_round_outcome, cls.add_record, cls.add_lookups
+
+    def spy_round(scheduler, stats, rnd, live, tops, tokens, first, *args):
+        now["rnd"] = rnd
+        rounds.append((rnd, [len(r.ids) for r in live], [r.done for r in live]))
+        return measure(scheduler, stats, rnd, live, tops, tokens, first, *args)
+
+    def spy(log, inner, value):
+        def f(self, *a):
+            log.append(value(*a))
+            return inner(self, *a)
+        return f
+
+    monkeypatch.setattr(loop, "_measure", spy_round)
+    monkeypatch.setattr(cls, "add_round_outcome", spy(recorded, outcome, lambda *a: now["rnd"]))
+    monkeypatch.setattr(cls, "add_record", spy(setups, record, lambda *a: now["rnd"]))
+    monkeypatch.setattr(cls, "add_lookups", spy(lookups, looked, lambda budget, found: (now["rnd"], len(found))))
+    ids, mask = padded_batch([5, 9, 7], 22)
+    config = SSDConfig(gamma=3, fanout_budget=2, schedule="fixed", layout="inline", **QUIET)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=config, _ssd_hooks={"plain": False})
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    max_length = ids.shape[1] + NEW
+    jobs = [rnd for rnd, _, _ in rounds if rnd.tree is not None]  # a job drafted for the next round
+    assert jobs[0].tree.grown and not any(rnd.tree.grown for rnd in jobs[1:])
+    assert setups == [rnd for rnd in jobs[1:] if rnd.tree.setup_s is not None]  # not a job without branches
+    assert [rnd for rnd, _ in lookups] == jobs[1:]
+    for rnd, n in lookups:  # rows that go on for two tokens at least, after the round
+        _, lengths, done = next(x for x in rounds if x[0] is rnd)
+        assert n == sum(not d and length + 1 < max_length for length, d in zip(lengths, done))
+    assert any(n < len(rnd.candidates) for rnd, n in lookups)  # a row near its end: neither hit nor miss
+    served = [rnd for rnd, _, _ in rounds if rnd.fresh_branches]
+    capped = [rnd for rnd, _, _ in rounds if rnd.capped]
+    assert len(served) == 1 and capped and capped[-1] is rounds[-1][0]
+    for rnd in capped:  # a row got the few candidates the length left allowed
+        assert any(cut and len(c) == n < 3 for cut, c, n in zip(rnd.cut, rnd.candidates, rnd.limits))
+    assert recorded == [rnd for rnd, _, _ in rounds if not rnd.prefill and rnd not in served + capped]
+
+
 def plan_costs(target, draft, size: int):
     """The pair's batch estimates at this size (thread layout, greedy)."""
     found = [m for k, m in hf_ssd.scheduling.costs.estimates_of(target, draft) if k[2] == f"batch{size}:thread"]

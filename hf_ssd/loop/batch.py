@@ -145,6 +145,20 @@ class Round:
     overhead_s: float = 0.0  # critical-path time of the job beyond the verify (collecting, adopting)
     catch_up_s: float = 0.0  # the draft reading what it lagged before this round drafted (`_catch_up`)
     times: tuple = ()  # perf_counter (start, candidates ready, verify start, verify end)
+    # Per row: its candidates were cut by the length left (`_schedule`); `capped`: a row got all that cut allowed
+    # (`_propose`), so the round's tokens say less than the option gives.
+    cut: list[bool] = field(default_factory=list)
+    capped: bool = False
+    fresh_branches: bool = False  # its hits came from a job whose copies met new buffers (`Tree.grown`)
+
+    def typical(self) -> bool:
+        """Whether its rate speaks for its option: not capped by the length left (a call's last rounds), and not
+        served by a job that paid a one-time allocation (on the simulated device at B = 8 a warm-up's first job at
+        a new width took 35-50 ms to copy its rows, drafted nothing, and its round read 0.8-0.96x plain's rate;
+        with a call's capped last rounds, every SSD option of a 16-token warm-up could read under plain's, and
+        the early verdict (`BatchPlan._condemned_early`) then ran two 64-token calls plainly where the loop ran
+        1.5-1.9x)."""
+        return not (self.capped or self.fresh_branches)
 
 
 def batch_options(config, fixed_budget: int, hooks: dict, fewer_threads: tuple[int, ...] = ()
@@ -500,7 +514,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     call_costs = plan.scheduler(len(rows)).costs  # the call's verdict on plain decoding is kept at its batch size
     ssd_stats.profile = getattr(call_costs, "profile", None)  # the tuning profile its estimates started from
     share = len(rows) if plan.auto_budgets else 0  # rows whose job branches the live rows share (`_job_budget`)
-    first, nxt, decoding = True, None, None
+    first, nxt, grown, decoding = True, None, False, None
     measure = None  # the last round's measuring, done by the next round's job beside its verify (or at the end)
     rated = [0.0, 0.0]  # the decode rounds of the call's size: tokens a row as rates count them, seconds
     try:
@@ -516,6 +530,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             scheduler.job_budget = own.job_budget = functools.partial(_job_budget, share=share, live=len(live),
                                                                       room=ssd_config.cache_size)
             rnd = _schedule(scheduler, live, first, nxt, max_length, ssd_config)
+            rnd.fresh_branches = grown
             _threads(rnd.option, ssd_cpu_threads)
             with speculator.on_critical_path():
                 rnd.catch_up_s = _catch_up(drafter, live, rnd, own.costs, ngram)
@@ -538,7 +553,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             new_tokens = _accept(rnd, scores, do_sample)
             t3 = time.perf_counter()
             speculator.collect()  # the job stops at its next step; its error is raised here
-            nxt = rnd.next
+            nxt, grown = rnd.next, rnd.tree is not None and rnd.tree.grown
             _commit(target, drafter, live, rnd, fed)
             kept = _advance(live, new_tokens, stops, rnd.explored)
             keep(live, kept, scores, logits)
@@ -550,7 +565,8 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
             rnd.draft_s, rnd.verify_s, rnd.times = t1 - t0 - copied, t3 - t2 - timed, (t0, t1, t2, t3)
             rnd.overhead_s = (t2 - t1) + (time.perf_counter() - t3) + (draft_prefill_s if first else 0.0)
             done = functools.partial(_measure, own, stats, rnd, list(live), [r.tops for r in live], sum(kept),
-                                     first, do_sample, calibration, ssd_config.record_timeline, own.job_budget)
+                                     first, do_sample, calibration, ssd_config.record_timeline, own.job_budget,
+                                     max_length)
             if overlap:
                 measure = done
             else:
@@ -736,8 +752,10 @@ def _schedule(scheduler: Scheduler, live: list[Row], first: bool, decided, max_l
         now = option.gamma
     else:  # the model's miss fallback, priced only where a row missed (0.1 ms a round)
         now = _fallback_length(scheduler, option, config)
-    limits = [min(len(r.ready.tokens) if hit else now, option.gamma, left) for r, hit, left in zip(live, hits, lefts)]
-    return Round(option, prediction, explored, limits, prefill=first, hits=hits)
+    wanted = [min(len(r.ready.tokens) if hit else now, option.gamma) for r, hit in zip(live, hits)]
+    limits = [min(n, left) for n, left in zip(wanted, lefts)]
+    return Round(option, prediction, explored, limits, prefill=first, hits=hits,
+                 cut=[left < n for n, left in zip(wanted, lefts)])
 
 
 def _threads(option: Option, cpu_threads: int | None) -> None:
@@ -818,6 +836,7 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0,
             row.tops = list(b.tops[:n]) + [b.tops[n] if n < len(b.tops) else None]
             row.tagged, row.draft_feed = len(b.tokens) - 1, 0
         row.ready = None
+    rnd.capped = any(cut and len(c) == n for cut, c, n in zip(rnd.cut, rnd.candidates, rnd.limits))
 
 
 def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, scheduler: Scheduler,
@@ -1006,7 +1025,8 @@ def _leave(live: list[Row], target: RaggedCache, drafter: BatchDrafter) -> list[
 
 
 def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row], tops: list[list], tokens: int,
-             first: bool, do_sample: bool, calibration=None, timeline: bool = False, job_budget=None) -> None:
+             first: bool, do_sample: bool, calibration=None, timeline: bool = False, job_budget=None,
+             max_length: int | None = None) -> None:
     """The round's costs, acceptance and the job's hits into the pair's estimates at this batch size, and into
     the stats (`_record`). Run by the next round's job: `tops` are each row's draft tops of the round (the next
     round replaces `Row.tops`), `job_budget` the round's own (`_job_budget`: the next round's live rows may
@@ -1031,7 +1051,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 model = scheduler.model(rnd.option)
             finally:
                 scheduler.job_budget = decided_with
-            if model is not None:
+            if model is not None and rnd.typical():
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
         verified, confident = [], []
         stopped = bool(rnd.option.stop)  # a confidence stop chose each row's length: not a per-position sample
@@ -1059,13 +1079,15 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             # such steps rated 16 branches a row at 14-30 ms a step, so the scheduler turned from them).
             for width, step_s in tree.steps[1:] if len(tree.steps) > 1 else tree.steps:
                 costs.add_tree_step(max(1, round(width / len(live))), step_s)
-            if tree.setup_s is not None:  # the model counts the job's steps after it (`_hit_terms`)
+            # The model counts the job's steps after its set-up (`_hit_terms`). A job that allocated its buffers paid
+            # that once: neither its set-up nor its hits are what the option's later jobs do.
+            if tree.setup_s is not None and not tree.grown:
                 costs.add_record(tree.setup_s)
             if not first:  # the prefill round's overhead holds the draft's prompt prefill
                 costs.add_overhead(job.budget, rnd.overhead_s)
-            # A row that ended needs no next round: neither a hit nor a miss.
-            costs.add_lookups(rnd.job_budget, [(found is not None, predicted) for row, found, predicted
-                                               in zip(live, rnd.found, rnd.job_predicted) if not row.done])
+            if not tree.grown:
+                costs.add_lookups(rnd.job_budget, [(found is not None, predicted) for row, found, predicted
+                                                   in zip(live, rnd.found, rnd.job_predicted) if _looks_up(row, max_length)])
         costs.add_round(seconds)
     for row, c, k in zip(live, rnd.candidates, rnd.accepted):
         row.rounds += 1
@@ -1073,7 +1095,7 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
         row.accepted += k
     if job is not None:
         for row, found, predicted in zip(live, rnd.found, rnd.job_predicted):
-            if row.done:
+            if not _looks_up(row, max_length):
                 continue
             stats.add_lookup(predicted, found is not None)
             stats.cache_hits += found is not None
@@ -1090,6 +1112,12 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
     stats.new_tokens += tokens
     stats.fallback_draft_time += rnd.draft_s
     _record(stats, rnd, len(live), timeline)
+
+
+def _looks_up(row: Row, max_length: int | None) -> bool:
+    """Whether a row's next round looks a branch up: it goes on for two tokens at least (a job pre-drafts no
+    outcome that ends the row, `decode`'s `allowed`). Neither a hit nor a miss otherwise."""
+    return not row.done and (max_length is None or len(row.ids) + 1 < max_length)
 
 
 def _record(stats: SSDStats, rnd: Round, rows: int, timeline: bool) -> None:

@@ -34,10 +34,12 @@ _LINEAGES = itertools.count()  # `RaggedCache.lineage`: unique over the process,
 @dataclass
 class JobBuffers:
     """The buffers speculation jobs copy rows into (`RaggedCache.branch`), kept from one job to the next: per layer
-    (keys, values), and per buffer row the (lineage, columns) of the row it holds a copy of, or None."""
+    (keys, values), and per buffer row the (lineage, columns) of the row it holds a copy of, or None. `grown`:
+    whether the last `branch` allocated them anew (its copies then paid fresh memory's page faults once)."""
 
     layers: dict = field(default_factory=dict)
     slots: list = field(default_factory=list)
+    grown: bool = False
 
 
 class RaggedCache:
@@ -248,6 +250,7 @@ class RaggedCache:
                 shapes[i] = [(len(rows), t.shape[1], width + room, t.shape[3]) for t in (layer.keys, layer.values)]
         fits = all(_fits(old, t, shape) for i, layer in enumerate(self.cache.layers) if i in shapes
                    for t, old, shape in zip((layer.keys, layer.values), spare.layers.get(i, (None, None)), shapes[i]))
+        spare.grown = not fits
         if not fits:  # a new buffer holds no copies
             spare.slots = []
         spare.slots += [None] * (len(rows) - len(spare.slots))
