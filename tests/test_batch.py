@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -1025,6 +1026,43 @@ def test_what_says_nothing_steady_about_an_option_is_not_measured_as_it(pair, mo
     for rnd in capped:  # a row got the few candidates the length left allowed
         assert any(cut and len(c) == n < 3 for cut, c, n in zip(rnd.cut, rnd.candidates, rnd.limits))
     assert recorded == [rnd for rnd, _, _ in rounds if not rnd.prefill and rnd not in served + capped]
+
+
+def test_a_rounds_catch_up_is_priced_apart_not_in_its_options_rate(pair, monkeypatch):
+    """The draft's read of what it lags (here one prompt's, before its first drafting round), slowed by 0.3 s: it
+    goes to the draft's prefill estimate, and the round that paid it rates its option by its own work only (in
+    the rate, a one-time read made a call's drafting trial read as lost)."""
+    target, _, _ = pair
+    draft = noisy_copy(target, 0.002)  # estimates of its own
+    slow = 0.3
+    cls, drafter_cls = hf_ssd.scheduling.costs.CostModel, hf_ssd.drafting.batch.BatchDrafter
+    catch_up, outcome, measure = drafter_cls.catch_up, cls.add_round_outcome, loop._measure
+    rounds, recorded = [], {}
+
+    def slowed(self, *a):
+        time.sleep(slow)
+        return catch_up(self, *a)
+
+    def spy_round(scheduler, stats, rnd, live, *a):
+        rounds.append(rnd)
+        return measure(scheduler, stats, rnd, live, *a)
+
+    def spy_outcome(self, option, tokens, seconds, predicted):
+        recorded[id(rounds[-1])] = seconds
+        return outcome(self, option, tokens, seconds, predicted)
+
+    monkeypatch.setattr(drafter_cls, "catch_up", slowed)
+    monkeypatch.setattr(loop, "_measure", spy_round)
+    monkeypatch.setattr(cls, "add_round_outcome", spy_outcome)
+    ids, mask = padded_batch([12], 23)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          ssd_config=SSDConfig(gamma=3, **QUIET), _ssd_hooks=only("sd"))
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    [paid] = [rnd for rnd in rounds if rnd.catch_up_s > 0]
+    assert paid.catch_up_s >= slow and id(paid) in recorded
+    assert recorded[id(paid)] < slow / 2
+    [costs] = [m for k, m in hf_ssd.scheduling.costs.estimates_of(target, draft) if k[2] == loop.estimates_key(1, "thread")]
+    assert costs.draft_prefill.count == 1
 
 
 def plan_costs(target, draft, size: int):

@@ -1051,8 +1051,12 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
                 model = scheduler.model(rnd.option)
             finally:
                 scheduler.job_budget = decided_with
+            # Less the draft's catch-up: a read of what it lagged (a prompt, AR rounds), paid once and priced apart
+            # where a decision must pay it (`Scheduler.catch_up`, `trial_cost`). In an option's rate it made a
+            # call's one drafting trial read as lost (real pair, B = 1: 6.7 s against the model's 1.1 s, the
+            # draft's first read of the process), and the call then ran AR at 0.79x the target alone.
             if model is not None and rnd.typical():
-                costs.add_round_outcome(rnd.option, tokens / len(live), seconds, model)
+                costs.add_round_outcome(rnd.option, tokens / len(live), seconds - rnd.catch_up_s, model)
         verified, confident = [], []
         stopped = bool(rnd.option.stop)  # a confidence stop chose each row's length: not a per-position sample
         for row_tops, c, k, bonus, looked in zip(tops, rnd.candidates, rnd.accepted, rnd.bonus, rnd.looked_up):
