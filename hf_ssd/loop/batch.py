@@ -1052,9 +1052,10 @@ def _measure(scheduler: Scheduler, stats: SSDStats, rnd: Round, live: list[Row],
             finally:
                 scheduler.job_budget = decided_with
             # Less the draft's catch-up: a read of what it lagged (a prompt, AR rounds), paid once and priced apart
-            # where a decision must pay it (`Scheduler.catch_up`, `trial_cost`). In an option's rate it made a
-            # call's one drafting trial read as lost (real pair, B = 1: 6.7 s against the model's 1.1 s, the
-            # draft's first read of the process), and the call then ran AR at 0.79x the target alone.
+            # where a decision must pay it (`Scheduler.catch_up`, `trial_cost`). In the option's rate it stayed:
+            # real pair, B = 1, a call's trial round of sd(g=4) took 6.7 s against the model's 1.1 s, mostly the
+            # draft's first read in the process, and its correction then priced sd(g=4) rounds 6x dearer, which,
+            # never chosen again, it kept.
             if model is not None and rnd.typical():
                 costs.add_round_outcome(rnd.option, tokens / len(live), seconds - rnd.catch_up_s, model)
         verified, confident = [], []
