@@ -983,7 +983,7 @@ def test_what_says_nothing_steady_about_an_option_is_not_measured_as_it(pair, mo
     """The estimates that rate an option leave out (`Round.typical`): a round whose candidates the length left
     cut (a call's last rounds), the set-up and lookups of a job that allocated its buffers (a call's first job:
     fresh memory's page faults, once) and the round that job served; and no row with one token left counts as a
-    hit or a miss. Inline jobs run to their end, so every round but the first two has its branches."""
+    hit or a miss. Inline jobs run to their end: which rounds hit does not depend on timing."""
     target, _, _ = pair
     draft = noisy_copy(target, 0.02)  # estimates of its own
     cls = hf_ssd.scheduling.costs.CostModel
@@ -1031,7 +1031,7 @@ def test_what_says_nothing_steady_about_an_option_is_not_measured_as_it(pair, mo
 def test_a_rounds_catch_up_is_priced_apart_not_in_its_options_rate(pair, monkeypatch):
     """The draft's read of what it lags (here one prompt's, before its first drafting round), slowed by 0.3 s: it
     goes to the draft's prefill estimate, and the round that paid it rates its option by its own work only (in
-    the rate, a one-time read made a call's drafting trial read as lost)."""
+    the rate, a one-time read priced the option's later rounds as dear as itself)."""
     target, _, _ = pair
     draft = noisy_copy(target, 0.002)  # estimates of its own
     slow = 0.3
