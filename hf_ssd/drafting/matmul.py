@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import threading
 import time
@@ -277,9 +276,7 @@ def _remembered() -> Path | None:
     this process timed stays); None with profiles off (HF_SSD_NO_PROFILE=1, as in the test suite)."""
     if not profile.enabled():
         return None
-    key = {"machine": profile.machine(), "versions": profile.versions()}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = profile.profiles_dir().parent / "matmul" / f"{digest}.json"
+    path = profile.cache_file("matmul", {"machine": profile.machine(), "versions": profile.versions()})
     if path not in _read:
         _read.add(path)
         for k, v in _on_disk(path).items():

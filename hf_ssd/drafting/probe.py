@@ -11,7 +11,6 @@ disk (`<cache>/probes/`, off with HF_SSD_NO_PROFILE=1), so that later processes 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -46,8 +45,7 @@ def _verdict_path(model) -> Path | None:
     params = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
     key = {"model": profile.model_fingerprint(model), "versions": profile.versions(),
            "device": params.device.type if params is not None else "cpu"}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return profile.profiles_dir().parent / "probes" / f"{digest}.json"
+    return profile.cache_file("probes", key)
 
 
 @torch.no_grad()

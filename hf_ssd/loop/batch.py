@@ -145,11 +145,13 @@ class Round:
     overhead_s: float = 0.0  # critical-path time of the job beyond the verify (collecting, adopting)
     catch_up_s: float = 0.0  # the draft reading what it lagged before this round drafted (`_catch_up`)
     times: tuple = ()  # perf_counter (start, candidates ready, verify start, verify end)
-    # Per row: its candidates were cut by the length left (`_schedule`); `capped`: a row got all that cut allowed
-    # (`_propose`), so the round's tokens say less than the option gives.
-    cut: list[bool] = field(default_factory=list)
-    capped: bool = False
+    cut: list[bool] = field(default_factory=list)  # per row: its candidates were cut by the length left
     fresh_branches: bool = False  # its hits came from a job whose copies met new buffers (`Tree.grown`)
+
+    @property
+    def capped(self) -> bool:
+        """Whether a row got all that the length left allowed: its tokens say less than the option gives."""
+        return any(cut and len(c) == n for cut, c, n in zip(self.cut, self.candidates, self.limits))
 
     def typical(self) -> bool:
         """Whether its rate speaks for its option: not capped by the length left (a call's last rounds), and not
@@ -836,7 +838,6 @@ def _propose(drafter: BatchDrafter, live: list[Row], rnd: Round, ngram: int = 0,
             row.tops = list(b.tops[:n]) + [b.tops[n] if n < len(b.tops) else None]
             row.tagged, row.draft_feed = len(b.tokens) - 1, 0
         row.ready = None
-    rnd.capped = any(cut and len(c) == n for cut, c, n in zip(rnd.cut, rnd.candidates, rnd.limits))
 
 
 def _submit(speculator: Speculator, drafter: BatchDrafter, live: list[Row], rnd: Round, scheduler: Scheduler,

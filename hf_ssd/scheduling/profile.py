@@ -106,6 +106,12 @@ def _hash(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def cache_file(folder: str, key: dict) -> Path:
+    """`<cache>/<folder>/<digest of key>.json`: where a verdict kept across processes lives (the draft's probe,
+    the products' timings)."""
+    return profiles_dir().parent / folder / f"{_hash(key)[:20]}.json"
+
+
 @torch.no_grad()
 def model_fingerprint(model) -> dict:
     """What identifies a model's costs and behaviour, cheaply: class, config hash, parameter count, dtype, and a
