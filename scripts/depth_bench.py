@@ -9,6 +9,7 @@ on the same harness for reference. Greedy; every output is compared with the tar
 
     python scripts/depth_bench.py                       # gamma 8, draft step 1/12 of a verify, budget 4, cache 12
     python scripts/depth_bench.py --draft-ms 20 --gamma 4
+    python scripts/depth_bench.py --default --schedule auto   # the depths against SSDConfig() as it comes
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main():
     p.add_argument("--eviction", default="probability")
     p.add_argument("--noise", type=float, default=0.003, help="tiny draft weight noise (agreement)")
     p.add_argument("--skip-baselines", action="store_true", help="SSD rows only (exploring settings)")
+    p.add_argument("--schedule", default="fixed", choices=("fixed", "auto"),
+                   help="auto: the depths with every other knob at its default (the scheduler picks gamma and budget)")
+    p.add_argument("--default", action="store_true", help="also SSDConfig() as it comes (depth 1, hf_ssd's loop)")
     args = p.parse_args()
 
     from hf_ssd.models.simulated import DeviceCost, simulate_device
@@ -85,9 +89,14 @@ def main():
         best = max(best, rate)
         print(f"  {f'assisted {n} tokens':<26} {rate:7.2f} tok/s  greedy {'identical' if same else 'DIFFERENT (bug)'}")
     base = None
-    for depth in args.depths:
-        cfg = SSDConfig(gamma=args.gamma, fanout_budget=args.budget, cache_size=args.cache_size, schedule="fixed",
-                        layout="thread", eviction=args.eviction, pipeline_depth=depth, hit_rate_warning=0.0)
+    rows = ([("SSDConfig()", SSDConfig(hit_rate_warning=0.0))] if args.default else []) + [
+        (f"SSD depth {depth}",
+         SSDConfig(gamma=args.gamma, fanout_budget=args.budget, cache_size=args.cache_size, schedule="fixed",
+                   layout="thread", eviction=args.eviction, pipeline_depth=depth, hit_rate_warning=0.0)
+         if args.schedule == "fixed" else
+         SSDConfig(pipeline_depth=depth, eviction=args.eviction if depth > 1 else "probability", hit_rate_warning=0.0))
+        for depth in args.depths]
+    for name, cfg in rows:
         run({"assistant_model": draft, "ssd_config": cfg})  # warm-up
         rate, same, stats = run({"assistant_model": draft, "ssd_config": cfg})
         base = base or rate
@@ -104,8 +113,8 @@ def main():
         rounds = sum(s.rounds for s in stats)
         acc = sum(s.accepted_tokens for s in stats) / max(1, rounds)
         proposed = sum(s.proposed_tokens for s in stats) / max(1, rounds)
-        print(f"  {f'SSD depth {depth}':<26} {rate:7.2f} tok/s  greedy {'identical' if same else 'DIFFERENT (bug)'} | "
-              f"{rate / base:.2f}x depth 1, {rate / best:.2f}x best assisted | hit rate {hits / max(1, lookups):.1%} "
+        print(f"  {name:<26} {rate:7.2f} tok/s  greedy {'identical' if same else 'DIFFERENT (bug)'} | "
+              f"{rate / base:.2f}x the first row, {rate / best:.2f}x best assisted | hit rate {hits / max(1, lookups):.1%} "
               f"(predicted {predicted:.1%}) | hits by depth {dict(sorted(by_depth.items()))} | "
               f"evictions {sum(ev.values())} {dict(sorted(ev.items()))} | proposed/round {proposed:.2f}, "
               f"accepted/round {acc:.2f}")
