@@ -59,4 +59,4 @@ __all__ = [
     "last_stats",
     "plot_timeline",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

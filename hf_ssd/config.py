@@ -9,7 +9,6 @@ from typing import Literal
 
 FALLBACKS = ("sd", "short", "ar", "ngram")
 FANOUTS = ("geometric", "calibrated")
-EVICTIONS = ("lru", "probability")
 LAYOUTS = ("auto", "thread", "stream", "device", "inline")
 SCHEDULES = ("auto", "fixed")
 DRAFT_MATMULS = ("auto", "transposed", "half", "stock")
@@ -53,19 +52,8 @@ class SSDConfig:
             picks by layout: 8 where the speculator has a GPU (batched branches are nearly free there), 1 on CPU
             (each extra branch slows every draft step; measured best on the 2-core reference machine).
         max_outcomes: outcome-space truncation: keep at most this many most likely outcomes per round
-            (`None`: the fan-out budget, or the sum of an explicit fan-out list). With `pipeline_depth` > 1 this
-            bounds each level of a job; branches promoted from the previous job's deeper levels come on top.
-        cache_size: capacity of the speculation cache (entries); never exceeded. With `pipeline_depth` > 1 it also
-            bounds how many branches for later rounds are kept.
-        eviction: `"lru"` (least recently inserted or used first) or `"probability"` (least likely outcome chain
-            first) when the cache is full. Acts only with `pipeline_depth` > 1: at depth 1 a round's entries are
-            bounded by `cache_size` (the outcomes per round are), so the cache never overflows; "lru" there is
-            refused.
-        pipeline_depth: how many rounds ahead the speculator may pre-draft. 1: only branches for the outcome of
-            the round being verified. d > 1: once those are drafted and the outcome has not arrived, it predicts
-            the outcomes of the most likely branches and pre-drafts the round after (and so on to depth d); a hit
-            turns the branches under it into the next round's entries. Needs the dynamic draft path and an
-            overlapping layout: with `static_draft=None` a depth above 1 picks the dynamic path.
+            (`None`: the fan-out budget, or the sum of an explicit fan-out list).
+        cache_size: capacity of the speculation cache (entries a row's job may pre-draft); never exceeded.
         fallback: what a cache miss does: `"sd"` drafts gamma tokens now, `"short"` drafts `fallback_gamma`
             tokens now, `"ar"` proposes nothing this round, `"ngram"` proposes a prompt-lookup continuation.
             Left unset with `schedule="auto"`, a miss drafts the length the scheduler's cost model finds best
@@ -115,7 +103,10 @@ class SSDConfig:
             step); `"transposed"`: untimed, up to 16 tokens; `"stock"`: transformers' product. A verify already
             rounds its last bits unlike the target's one-token steps with either product; those steps, the prompt's
             prefill and plain batched decoding always keep transformers' product. hf_ssd's loop only: the one-prompt settings that run transformers'
-            assisted loop (`pipeline_depth` > 1, `eviction`, `static_draft`, `cuda_graphs`) refuse `"transposed"`.
+            assisted loop (`static_draft`, `cuda_graphs`) refuse `"transposed"`.
+
+    `pipeline_depth` and `eviction` (pre-drafting rounds beyond the one being verified) were removed in 0.2.0:
+    passing either raises an error that says why (`REMOVED`).
     """
 
     gamma: int = 4
@@ -123,8 +114,6 @@ class SSDConfig:
     fanout_budget: int | None = None
     max_outcomes: int | None = None
     cache_size: int = 64
-    eviction: Literal["lru", "probability"] = "probability"
-    pipeline_depth: int = 1
     fallback: Literal["sd", "short", "ar", "ngram"] = "sd"
     fallback_gamma: int | None = None
     ngram_size: int = 3
@@ -197,8 +186,6 @@ class SSDConfig:
         if self.max_outcomes is not None:
             _check_int("max_outcomes", self.max_outcomes, 0, 4096)
         _check_int("cache_size", self.cache_size, 1)
-        _check_choice("eviction", self.eviction, EVICTIONS)
-        _check_int("pipeline_depth", self.pipeline_depth, 1, 8)
         _check_choice("fallback", self.fallback, FALLBACKS)
         if self.fallback_gamma is not None:
             _check_int("fallback_gamma", self.fallback_gamma, 1, self.gamma)
@@ -239,19 +226,6 @@ class SSDConfig:
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("draft_matmul", self.draft_matmul, DRAFT_MATMULS)
         _check_choice("verify_matmul", self.verify_matmul, VERIFY_MATMULS)
-        if self.eviction != "probability" and self.pipeline_depth == 1:
-            raise SSDConfigError(f"SSDConfig.eviction={self.eviction!r} acts only with pipeline_depth > 1: at depth 1 "
-                                 "a round's entries never exceed cache_size, so nothing is evicted. Set "
-                                 "pipeline_depth=2 or more, or leave eviction at its default.")
-        if self.pipeline_depth > 1:
-            if self.layout == "inline":
-                raise SSDConfigError("SSDConfig.pipeline_depth > 1 needs an overlapping layout: with layout='inline' "
-                                     "every level would run on the critical path. Use pipeline_depth=1 or another "
-                                     "layout.")
-            if self.static_draft is True or self.cuda_graphs is True:
-                raise SSDConfigError("SSDConfig.pipeline_depth > 1 needs the dynamic draft path (the static path's "
-                                     "buffers hold one round of branches). Remove static_draft=True / "
-                                     "cuda_graphs=True, or use pipeline_depth=1.")
 
     def resolved_budget(self, on_gpu: bool) -> tuple[int, int]:
         """(fan-out budget, max outcomes) with the `None` defaults filled in for this placement."""
@@ -267,8 +241,8 @@ class SSDConfig:
         """(static draft path, CUDA graphs) with the `None` defaults filled in for where the draft runs."""
         if self.static_draft is not None:
             static = self.static_draft
-        else:  # pipeline_depth > 1 asks for trees the static buffers cannot hold
-            static = self.cuda_graphs is True or (draft_on_cuda and self.pipeline_depth == 1)
+        else:
+            static = self.cuda_graphs is True or draft_on_cuda
         return static, static and draft_on_cuda and self.cuda_graphs is not False
 
     @property
@@ -279,7 +253,21 @@ class SSDConfig:
         return asdict(self)
 
 
+# Fields that were removed, and why: passing one says so (and what to do) instead of "unexpected argument".
+_DEPTH_GONE = ("pre-drafting more than one round ahead never beat SSDConfig() as it comes, which schedules gamma "
+               "and fan-out for the round being verified (simulated device, the harnesses built for depth > 1: "
+               "0.90-0.96x; docs/performance.md, \"Pipeline depth > 1\")")
+REMOVED = {
+    "pipeline_depth": f"SSDConfig.pipeline_depth was removed in hf_ssd 0.2.0: {_DEPTH_GONE}. Remove the argument "
+                      "(the speculator pre-drafts the round after the one being verified).",
+    "eviction": f"SSDConfig.eviction was removed in hf_ssd 0.2.0 with pipeline_depth, the only setting where it acted: "
+                f"{_DEPTH_GONE}. Remove the argument (a round's entries never exceed cache_size).",
+}
+
+
 def _unknown_field_message(name: str) -> str:
+    if name in REMOVED:
+        return REMOVED[name]
     names = [f.name for f in fields(SSDConfig)]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else f" The fields are: {', '.join(names)}."

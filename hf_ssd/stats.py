@@ -51,14 +51,6 @@ class SSDStats:
     fallbacks: dict = field(default_factory=dict)
     outcomes_predicted: int = 0
     branches_drafted: int = 0
-    evictions: int = 0
-    # Pipeline depth: branches drafted, hits served and evictions by how many rounds ahead the branch was drafted
-    # (1: for the round being verified), and branches carried into the next round by a hit above them.
-    pipeline_depth: int = 1
-    branches_by_depth: dict = field(default_factory=dict)
-    hits_by_depth: dict = field(default_factory=dict)
-    evictions_by_depth: dict = field(default_factory=dict)
-    promoted: int = 0
     # Calibration of the outcome predictor: per lookup, the predicted probability that the cache holds the real
     # outcome (the summed probabilities of that round's entries), binned, against how often it did.
     predicted_hits: float = 0.0
@@ -179,12 +171,6 @@ class SSDStats:
         d["hit_calibration"] = self.hit_calibration()
         return d
 
-    def _depth_summary(self) -> str:
-        if self.pipeline_depth <= 1:
-            return ""
-        hits = ", ".join(f"d{d}: {n}" for d, n in sorted(self.hits_by_depth.items()))
-        return f" | depth {self.pipeline_depth}: hits by depth {hits or 'none'}, {self.evictions} evictions"
-
     def summary(self) -> str:
         setup = ""
         if self.setup_time >= max(0.5, 0.05 * self.wall_time):  # worth saying: a first call's probe, mostly
@@ -192,8 +178,8 @@ class SSDStats:
         return (
             f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.2f} tok/s{setup}) | "
             f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
-            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted {self.predicted_hit_rate:.1%})"
-            f"{self._depth_summary()} | bubble ratio {self.bubble_ratio:.1%} | "
+            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted {self.predicted_hit_rate:.1%}) | "
+            f"bubble ratio {self.bubble_ratio:.1%} | "
             f"{self.schedule_summary()}{self._profile_summary()}{self._warmup_summary()}"
         )
 

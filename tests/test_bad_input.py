@@ -35,7 +35,7 @@ PROMPT = torch.tensor([[5, 6, 7, 8]])
 MESSAGES = {
     "mutated_gamma": "SSDConfig.gamma must be between 1 and 64",
     "mutated_fallback_gamma": "SSDConfig.fallback_gamma must be between 1 and 4",
-    "mutated_eviction": "SSDConfig.eviction must be one of",
+    "mutated_cache_size": "SSDConfig.cache_size must be >= 1",
     "batch_keyword": "Batched SSD calls (here 3 sequences) return sequences, scores and logits only; remove "
                      "output_attentions",
     "no_draft": "ssd_config needs a draft model",
@@ -88,17 +88,11 @@ CONFIG_CASES = [
     ({"max_outcomes": 2.5}, "SSDConfig.max_outcomes must be an int"),
     ({"cache_size": 0}, "SSDConfig.cache_size must be >= 1"),
     ({"cache_size": 2.5}, "SSDConfig.cache_size must be an int"),
-    ({"pipeline_depth": 0}, "SSDConfig.pipeline_depth must be between 1 and 8"),
-    ({"pipeline_depth": 9}, "SSDConfig.pipeline_depth must be between 1 and 8"),
-    ({"pipeline_depth": 2.0}, "SSDConfig.pipeline_depth must be an int"),
-    ({"pipeline_depth": 2, "layout": "inline"}, "SSDConfig.pipeline_depth > 1 needs an overlapping layout"),
-    ({"pipeline_depth": 2, "static_draft": True}, "SSDConfig.pipeline_depth > 1 needs the dynamic draft path"),
+    ({"pipeline_depth": 2}, "SSDConfig.pipeline_depth was removed in hf_ssd 0.2.0"),
     ({"draft_matmul": "fast"}, "SSDConfig.draft_matmul must be one of ['auto', 'transposed', 'half', 'stock']"),
     ({"verify_matmul": "fast"}, "SSDConfig.verify_matmul must be one of ['auto', 'transposed', 'stock']"),
     ({"verify_matmul": "half"}, "SSDConfig.verify_matmul must be one of ['auto', 'transposed', 'stock']"),
-    ({"eviction": "fifo"}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
-    ({"eviction": None}, "SSDConfig.eviction must be one of ['lru', 'probability']"),
-    ({"eviction": "lru"}, "SSDConfig.eviction='lru' acts only with pipeline_depth > 1"),
+    ({"eviction": "lru"}, "SSDConfig.eviction was removed in hf_ssd 0.2.0"),
     ({"fallback": "beam"}, "SSDConfig.fallback must be one of ['sd', 'short', 'ar', 'ngram']"),
     ({"fallback_gamma": 0}, "SSDConfig.fallback_gamma must be between 1 and 4"),
     ({"gamma": 4, "fallback_gamma": 5}, "SSDConfig.fallback_gamma must be between 1 and 4"),
@@ -161,7 +155,7 @@ def test_unknown_config_field_is_a_type_error_that_suggests_the_field():
     [
         (lambda c: setattr(c, "gamma", 0), MESSAGES["mutated_gamma"]),
         (lambda c: setattr(c, "fallback_gamma", 9), MESSAGES["mutated_fallback_gamma"]),
-        (lambda c: setattr(c, "eviction", "random"), MESSAGES["mutated_eviction"]),
+        (lambda c: setattr(c, "cache_size", 0), MESSAGES["mutated_cache_size"]),
     ],
 )
 def test_config_mutated_after_construction_is_checked_at_generate(target, draft, mutate, phrase):
@@ -204,7 +198,7 @@ USAGE_CASES = {
         "A streamer takes one sequence; this batch has 2. Remove streamer=",
     ),
     "transposed_verify_on_the_one_prompt_path": (
-        {"ssd_config": SSDConfig(verify_matmul="transposed", pipeline_depth=2)},
+        {"ssd_config": SSDConfig(verify_matmul="transposed", static_draft=False)},
         "SSDConfig(verify_matmul='transposed') acts in hf_ssd's loop, and this call runs transformers' assisted loop",
     ),
 }

@@ -653,8 +653,8 @@ def test_a_sampled_batch_with_saguaro_draws_from_scaled_q_where_a_job_holds_bonu
 
 
 @pytest.mark.parametrize(("kw", "phrase"), [
-    ({"pipeline_depth": 2}, "pipeline_depth=2: this setting serves one prompt at a time"),
-    ({"pipeline_depth": 2, "eviction": "lru"}, "pipeline_depth=2, eviction='lru': these settings serve one prompt"),
+    ({"static_draft": False}, "static_draft=False: this setting serves one prompt at a time"),
+    ({"static_draft": False, "cuda_graphs": False}, "static_draft=False, cuda_graphs=False: these settings serve one"),
     ({"cuda_graphs": False}, "cuda_graphs=False: this setting serves one prompt"),
 ])
 def test_one_prompt_settings_refused_for_batches(pair, kw, phrase):

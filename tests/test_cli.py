@@ -49,11 +49,11 @@ def test_generate_leaves_torch_threads_as_they_were():
 def test_ssd_flags_map_to_config_fields():
     args = build_parser().parse_args([
         "generate", "--prompt", "p", "--gamma", "6", "--fanout-budget", "5", "--max-outcomes", "3", "--cache-size", "9",
-        "--eviction", "lru", "--fallback", "ngram", "--saguaro-c", "0.5", "--layout", "inline", "--cpu-threads", "1",
+        "--fallback", "ngram", "--saguaro-c", "0.5", "--layout", "inline", "--cpu-threads", "1",
     ])
     opts = ssd_options(args)
     assert opts["gamma"] == 6 and opts["fanout_budget"] == 5 and opts["max_outcomes"] == 3
-    assert opts["cache_size"] == 9 and opts["eviction"] == "lru" and opts["fallback"] == "ngram"
+    assert opts["cache_size"] == 9 and opts["fallback"] == "ngram"
     assert opts["saguaro_c"] == 0.5 and opts["layout"] == "inline" and opts["cpu_threads"] == 1
     assert opts["static_draft"] is None and opts["cuda_graphs"] is None  # auto by default
     args = build_parser().parse_args(["generate", "--prompt", "p", "--static-draft", "on", "--cuda-graphs", "off"])

@@ -323,6 +323,21 @@ def test_results_without_settings_and_a_busy_directory_are_refused(data, tmp_pat
         holder.wait()
 
 
+def test_a_run_written_before_pipeline_depth_was_removed_resumes_where_its_options_changed_nothing(tmp_path):
+    """0.1.0 wrote pipeline_depth and eviction into settings.json's SSD options; 0.2.0 removed them. At 1 and
+    "probability" they made what 0.2.0 makes, so such a run resumes; a deeper pipeline's results would mix."""
+    now = {"data": {"path": "d.jsonl", "field": "prompt", "split": None, "chat": False}, "models": {"target": "t"},
+           "generation": {"max_new_tokens": 16}, "method": "ssd", "ssd_options": {"cache_size": 64}}
+    path = tmp_path / store.SETTINGS
+    path.write_text(json.dumps({**now, "ssd_options": {"cache_size": 64, "pipeline_depth": 1,
+                                                       "eviction": "probability"}}))
+    assert store.check_settings(tmp_path, now, write=True) is True
+    for retired in ({"pipeline_depth": 2}, {"eviction": "lru"}):
+        path.write_text(json.dumps({**now, "ssd_options": {"cache_size": 64, **retired}}))
+        with pytest.raises(store.SettingsMismatch, match="other settings"):
+            store.check_settings(tmp_path, now, write=True)
+
+
 # ----------------------------------------------------------------------------------------------- batches
 
 

@@ -1,5 +1,5 @@
 """Greedy SSD is token-identical to the target alone: property-based over prompts, gamma, fan-out, cache size,
-fallback and layout, including EOS inside cached drafts (eviction, which acts only at depth > 1: test_depth.py)."""
+fallback and layout, including EOS inside cached drafts."""
 
 from __future__ import annotations
 

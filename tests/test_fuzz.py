@@ -86,7 +86,6 @@ def ssd_configs(draw) -> SSDConfig:
         fanout_budget=draw(st.none() | st.integers(0, 16)),  # None: the scheduler picks budgets, SD or AR
         max_outcomes=draw(st.integers(0, 16)),
         cache_size=draw(st.integers(1, 16)),
-        # eviction="lru" acts only with pipeline_depth > 1 (refused without it), which this strategy leaves at 1
         fallback=fallback,
         fallback_gamma=draw(st.none() | st.integers(1, gamma)) if fallback == "short" else None,  # else refused
         ngram_size=draw(st.integers(1, 4)),
@@ -208,8 +207,6 @@ VALID = {  # values each field accepts on its own (with the other fields at thei
     "fanout_budget": st.integers(0, 4096),
     "max_outcomes": st.integers(0, 4096),
     "cache_size": st.integers(1, 10**6),
-    "eviction": st.just("probability"),  # "lru" only with pipeline_depth > 1
-    "pipeline_depth": st.integers(1, 8),
     "fallback": st.sampled_from(FALLBACKS),
     "fallback_gamma": st.none() | st.integers(1, 4),
     "ngram_size": st.integers(1, 32),

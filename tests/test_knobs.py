@@ -1,11 +1,11 @@
 """Knobs that act and statistics that tell the truth: `fallback_gamma` selects the fallback it sizes (never a
-silent no-op), eviction acts where it can (pipeline_depth > 1) and never at depth 1, a draft whose forward is
+silent no-op), the one-prompt path's cache stays within cache_size, the knobs removed with pipeline depth say so, a
+draft whose forward is
 wrapped by a pass-through (`*args, **kwargs`) is driven like the model itself, and `SSDStats.wall_time`
 counts what the caller waited for, a first call's set-up included."""
 
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
@@ -15,7 +15,9 @@ from conftest import make_model, noisy_copy
 import hf_ssd
 import hf_ssd.integration as integration
 from hf_ssd import SSDConfig, SSDConfigError
+from hf_ssd.config import SSDConfigFieldError
 from hf_ssd.drafting.kvcache import check_draft, forward_params
+from hf_ssd.speculation.cache import SpeculationCache
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])
 QUIET = {"hit_rate_warning": 0.0}
@@ -60,20 +62,43 @@ def test_fallback_gamma_changes_what_a_miss_drafts(target, random_draft, loop):
     assert proposed[1] < proposed[3]
 
 
-# ----- eviction ----------------------------------------------------------------------------------------------------
-def test_eviction_never_acts_at_depth_one_so_lru_there_is_refused(target, draft):
-    """At depth 1 a round's outcomes are capped at cache_size, so the one-prompt path's cache (the one that can
-    evict) never has to: an eviction policy there would be a knob that never acts, and "lru" without
-    pipeline_depth > 1 is refused (tests/test_depth.py shows eviction acting at depth 2 and 3)."""
+# ----- the one-prompt path's cache, and the knobs removed with pipeline depth ---------------------------------------
+def test_one_prompt_cache_stays_within_cache_size_and_its_hits_are_calibrated(target, draft, monkeypatch):
+    """A round pre-drafts at most cache_size outcomes, so the one-prompt path's cache never has to drop one for
+    another; its lookups are binned by predicted hit probability (`SSDStats.hit_calibration`)."""
+    held = []
+    put = SpeculationCache.put
+
+    def spy(self, branch):
+        ok = put(self, branch)
+        held.append((self.capacity, len(self), ok))
+        return ok
+
+    monkeypatch.setattr(SpeculationCache, "put", spy)
     for size in (1, 2, 3):
+        held.clear()
         config = SSDConfig(cache_size=size, fanout_budget=8, schedule="fixed", layout="inline", **QUIET)
         target.generate(PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=16, ssd_config=config,
                         _ssd_hooks={"loop": "assisted"})
         stats = hf_ssd.last_stats(target)
-        assert stats.draft_path != "batched" and stats.branches_drafted > 0 and stats.evictions == 0
-    with pytest.raises(SSDConfigError, match=re.escape("SSDConfig.eviction='lru' acts only with pipeline_depth > 1")):
-        SSDConfig(eviction="lru")
-    assert SSDConfig(eviction="lru", pipeline_depth=2).eviction == "lru"
+        assert stats.draft_path != "batched" and stats.branches_drafted > 0 and held
+        assert all(n <= cap == size and ok for cap, n, ok in held)
+        rows = stats.hit_calibration()
+        assert sum(r["lookups"] for r in rows) == stats.lookups > 0
+        assert all(0.0 <= r["predicted"] <= 1.0 and 0.0 <= r["observed"] <= 1.0 for r in rows)
+        assert stats.to_dict()["hit_calibration"] == rows
+
+
+@pytest.mark.parametrize("name, value", [("pipeline_depth", 2), ("pipeline_depth", 1), ("eviction", "lru")])
+def test_the_knobs_removed_with_pipeline_depth_say_why_and_what_to_do(name, value):
+    """pipeline_depth > 1 never beat SSDConfig() (docs/performance.md): passing it or its eviction policy, at any
+    value, is refused before any work with the reason and the fix, as a TypeError like any unknown keyword."""
+    with pytest.raises(SSDConfigFieldError) as err:
+        SSDConfig(**{name: value})
+    assert isinstance(err.value, TypeError)
+    message = str(err.value)
+    assert message.startswith(f"SSDConfig.{name} was removed in hf_ssd 0.2.0")
+    assert "0.90-0.96x" in message and "Remove the argument" in message
 
 
 # ----- a draft with a wrapped forward ---------------------------------------------------------------------------------

@@ -568,19 +568,17 @@ def test_static_buffers_hold_the_longest_draft_up_to_max_length(forced):
 
 def test_both_drafters_answer_the_generators_calls_with_the_same_signatures(draft):
     """The generator calls either drafter alike (no attribute sniffing): the same parameters, and the static path
-    refuses, with an error, what its fixed-shape tree cannot do (it says so in supports_depth and defers_record)."""
+    refuses, with an error, what its fixed-shape tree cannot do (it says so in defers_record)."""
     dyn, sta = pair_of_drafters(draft)
     for name in ("sync", "draft", "record", "candidate_tops", "start_tree", "tree_steps", "adopt", "release"):
         assert list(inspect.signature(getattr(dyn, name)).parameters) == \
             list(inspect.signature(getattr(sta, name)).parameters), name
-    assert (dyn.path, dyn.supports_depth, dyn.defers_record) == ("dynamic", True, True)
-    assert (sta.path, sta.supports_depth, sta.defers_record) == ("static", False, False)
+    assert (dyn.path, dyn.defers_record) == ("dynamic", True)
+    assert (sta.path, sta.defers_record) == ("static", False)
     context = prompt(4, 8)[0].tolist()
     sta.sync(context)
     outcomes = [Outcome(0, 5)]
-    with pytest.raises(ValueError, match="no unfinished rows"):
-        sta.start_tree(len(context), outcomes, [object()])
-    tree = sta.start_tree(len(context), outcomes, [])
+    tree = sta.start_tree(len(context), outcomes)
     with pytest.raises(ValueError, match="fixed shape"):
-        sta.tree_steps(tree, outcomes, 2, [1, 0, 0], lambda: False, grow=lambda states, results: [])
+        sta.tree_steps(tree, outcomes, 2, [1, 0, 0], lambda: False, last=(0, lambda top, first: (0.0, []), 1))
     sta.release()

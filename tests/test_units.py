@@ -80,20 +80,16 @@ def _branch(round_id, k, bonus, prob):
     return Branch(round_id, k, bonus, prob, [1])
 
 
-def test_cache_never_exceeds_capacity_and_evicts_by_policy():
-    cache = SpeculationCache(3, "probability")
+def test_cache_never_exceeds_capacity_and_keeps_the_likeliest():
+    cache = SpeculationCache(3)
     for i, p in enumerate([0.5, 0.1, 0.3, 0.4]):
         cache.put(_branch(1, i, i, p))
         assert len(cache) <= 3
     assert cache.get(1, 1, 1) is None  # the least likely went first
-    assert cache.get(1, 0, 0) is not None and cache.evictions == 1
-
-    lru = SpeculationCache(2, "lru")
-    lru.put(_branch(1, 0, 0, 0.9))
-    lru.put(_branch(1, 1, 1, 0.1))
-    assert lru.get(1, 0, 0) is not None  # touch: now (1,1,1) is least recently used
-    lru.put(_branch(1, 2, 2, 0.5))
-    assert lru.get(1, 1, 1) is None and lru.get(1, 0, 0) is not None
+    assert all(cache.get(1, i, i) is not None for i in (0, 2, 3))
+    assert not cache.put(_branch(1, 5, 5, 0.05))  # less likely than every entry: dropped at once
+    assert cache.get(1, 5, 5) is None and len(cache) == 3
+    assert cache.hit_mass(1) == pytest.approx(0.5 + 0.3 + 0.4)
 
 
 def test_cache_hit_miss_and_stale_rounds():
@@ -120,7 +116,7 @@ def test_ngram_lookup_and_one_hot():
         ({"gamma": 2.5}, "gamma must be an int"),
         ({"fanout": [1, 2]}, r"gamma \+ 1"),
         ({"fanout": "linear"}, "fanout"),
-        ({"eviction": "fifo"}, "eviction"),
+        ({"eviction": "lru"}, "eviction was removed"),
         ({"fallback": "none"}, "fallback"),
         ({"saguaro_c": 1.0}, "saguaro_c"),
         ({"layout": "gpu"}, "layout"),

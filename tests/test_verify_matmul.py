@@ -269,9 +269,9 @@ def test_verifying_is_per_thread_and_restores():
 
 def test_the_one_prompt_path_refuses_a_transposed_verify(pair):
     target, draft = pair
-    with pytest.raises(SSDUsageError, match="verify_matmul='transposed'.*pipeline_depth=2"):
+    with pytest.raises(SSDUsageError, match="verify_matmul='transposed'.*static_draft=False"):
         target.generate(torch.tensor([[5, 6, 7]]), assistant_model=draft, do_sample=False, max_new_tokens=4,
-                        ssd_config=SSDConfig(verify_matmul="transposed", pipeline_depth=2, **QUIET))
+                        ssd_config=SSDConfig(verify_matmul="transposed", static_draft=False, **QUIET))
 
 
 @pytest.mark.slow  # the product changes the target's p only by rounding; the chi-square test holds for p exact

@@ -126,6 +126,19 @@ def _describe_change(old: dict, new: dict, prefix: str = "") -> list[str]:
     return changes
 
 
+# SSD options an earlier version wrote into settings.json at values that make what today's default makes (0.2.0
+# removed pipeline_depth and eviction; at these values they changed nothing): such a run stays resumable.
+RETIRED_OPTIONS = {"pipeline_depth": 1, "eviction": "probability"}
+
+
+def _without_retired(settings: dict) -> dict:
+    options = settings.get("ssd_options")
+    if isinstance(options, dict):
+        kept = {k: v for k, v in options.items() if not (k in RETIRED_OPTIONS and v == RETIRED_OPTIONS[k])}
+        settings = {**settings, "ssd_options": kept}
+    return settings
+
+
 def check_settings(out_dir: Path, settings: dict, write: bool) -> bool:
     """Refuse `settings` if `out_dir` holds results made with other settings; write them when it holds none.
 
@@ -136,7 +149,7 @@ def check_settings(out_dir: Path, settings: dict, write: bool) -> bool:
     settings = json.loads(json.dumps(settings))  # what it will read back as (tuples -> lists, ...)
     if path.exists():
         try:
-            old = json.loads(path.read_text(encoding="utf-8"))
+            old = _without_retired(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError) as err:
             raise StoreError(f"{path} cannot be read ({err}); it was not written by hf-ssd eval or was edited. "
                              "Use a new --out (or restore the file).") from err

@@ -13,7 +13,6 @@ import time
 
 from ..config import (
     DRAFT_MATMULS,
-    EVICTIONS,
     FALLBACKS,
     LAYOUTS,
     SCHEDULES,
@@ -78,10 +77,6 @@ def _add_ssd_args(p: argparse.ArgumentParser, with_gamma: bool = True) -> None:
     g.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
                    help="auto: each round runs the option with the best measured speed (SSD, plain SD or AR); "
                         "fixed: always overlapped SSD")
-    g.add_argument("--pipeline-depth", type=int, default=d.pipeline_depth,
-                   help="rounds the speculator may pre-draft ahead (1: only the round being verified)")
-    g.add_argument("--eviction", choices=EVICTIONS, default=d.eviction, help="speculation cache eviction policy; acts only with --pipeline-depth > 1 (at depth 1 a "
-                        "round's entries never exceed --cache-size)")
     g.add_argument("--fallback", choices=FALLBACKS, default=None,
                    help=f"what a cache miss does (default: {d.fallback!r}; unset with --schedule auto, a miss drafts "
                         "the length the cost model finds best)")
@@ -111,7 +106,7 @@ def _tristate(text: str):
 
 def ssd_options(args) -> dict:
     """The SSDConfig fields given on the command line (gamma/layout only where the command has them)."""
-    keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "pipeline_depth", "eviction", "fallback", "fallback_gamma",
+    keys = ["fanout", "fanout_budget", "max_outcomes", "cache_size", "fallback", "fallback_gamma",
             "saguaro_c", "cpu_threads", "gamma", "layout", "static_draft", "cuda_graphs", "schedule",
             "draft_matmul", "verify_matmul"]
     options = {k: getattr(args, k) for k in keys if hasattr(args, k)}

@@ -5,9 +5,7 @@ one batch: row r holds the keys/values of its prefix (for the round in flight: c
 accepts), right-aligned behind masked filler columns, so a 2D padding mask hides what a branch assumes rejected
 and one draft forward per step serves every branch. Left padding is what every decoder-only model supports: the
 model builds its own causal, sliding-window or ALiBi attention from the 2D mask and the position ids, exactly as
-for a padded batch, so no 4D mask is needed (ALiBi models take none). A deeper tree (`fork_tree`: branches for the
-round after, under a branch still unverified) is built the same way from the rows of the tree before it.
-Adopting a branch after a hit slices its valid columns back into a single-row cache, so the next round starts
+for a padded batch, so no 4D mask is needed (ALiBi models take none). Adopting a branch after a hit slices its valid columns back into a single-row cache, so the next round starts
 where it left off.
 """
 
@@ -29,7 +27,7 @@ CONTEXT_FREE = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper
                 "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"}
 
 
-__all__ = ["BranchState", "DraftResult", "Drafter", "TreeBatch", "Unfinished", "UnsupportedDraftError"]
+__all__ = ["BranchState", "DraftResult", "Drafter", "TreeBatch", "UnsupportedDraftError"]
 
 
 @dataclass
@@ -43,9 +41,8 @@ class TreeBatch:
     """Shared state of one batched pre-draft: the batched cache and the geometry of its rows.
 
     Row r's sequence starts at column offsets[r] and is contiguous: its prefix (the ids before its bonus), then
-    the tokens fed before this batch (`pre[r]`: a branch an earlier job left unfinished), then those fed here,
-    from column `width` on. `prefix_top[r]` holds the draft's top lists for positions before len(prefix[r]) (a
-    shared dict: entries at later positions are ignored).
+    the tokens fed here, from column `width` on. `prefix_top[r]` holds the draft's top lists for positions before
+    len(prefix[r]) (a shared dict: entries at later positions are ignored).
     """
 
     cache: DynamicCache
@@ -54,16 +51,6 @@ class TreeBatch:
     prefix_top: list[dict[int, TopProbs]]
     offsets: list[int]  # row r's masked left columns
     mask: torch.Tensor  # [rows, columns so far] long, 1 = attended
-    pre: list[Unfinished | None] = field(default_factory=list)
-
-
-@dataclass
-class Unfinished:
-    """Where a branch cut short by an earlier outcome's arrival stopped: its state and drafted tokens."""
-
-    state: BranchState
-    tokens: list[int]
-    logits: torch.Tensor | None
 
 
 @dataclass
@@ -78,28 +65,6 @@ class BranchState:
     def start(self) -> int:
         """Sequence index of the row's bonus token."""
         return len(self.batch.prefix[self.row])
-
-    def tops(self, n: int) -> list[TopProbs]:
-        """Top lists predicting the row's drafted tokens 1..n and the token after them (n < fed)."""
-        return [self.top[self.start + j] for j in range(n + 1)]
-
-
-def _child_sources(children: list[tuple[BranchState, list[int], Outcome]]) -> list[tuple]:
-    """`Drafter._gather` rows for children (parent, parent_tokens, (k, bonus)): the parent row's columns up to its
-    k-th drafted token (its prefix, its bonus, k tokens)."""
-    return [(p.batch.cache, p.batch.mask, p.row, p.batch.offsets[p.row], p.start + 1 + o.accepted)
-            for p, _, o in children]
-
-
-def _child_prefixes(children: list[tuple[BranchState, list[int], Outcome]]):
-    """Each child's prefix (the ids before its bonus) and the top lists at the positions before it."""
-    prefix, tops = [], []
-    for p, tokens, o in children:
-        prefix.append(p.batch.prefix[p.row] + [p.outcome.bonus] + tokens[: o.accepted])
-        top = {q: t for q, t in p.batch.prefix_top[p.row].items() if q < p.start}
-        top.update({q: t for q, t in p.top.items() if q <= p.start + o.accepted})
-        tops.append(top)
-    return prefix, tops
 
 
 def saguaro_q(probs: torch.Tensor, cached, c: float) -> torch.Tensor:
@@ -314,85 +279,28 @@ class Drafter:
 
     # ----- batched pre-drafting ---------------------------------------------------------------------------
     # What the generator asks of a drafter, the same for both paths (static_draft.StaticDrafter overrides them).
-    supports_depth = True  # fork_tree and unfinished rows (the static path's tree buffers hold one round)
     defers_record = True  # tree_steps(last=...): the static path records with a forward of its own
     path = "dynamic"  # named in the stats
 
     def release(self) -> None:
         """Give back what the call held (nothing here: the static path's buffers go back to their pool)."""
 
-    def _gather(self, rows: list[tuple[object, torch.Tensor, int, int, int]], width: int | None = None):
-        """A batched cache whose row i holds `length_i` sequence positions of a source row, right-aligned.
-
-        Each row is (source cache, source mask [rows, cols], source row, source column of sequence index 0,
-        length), right-aligned to `width` columns (default: the longest). Returns (cache, mask, width, offsets).
-        """
-        width = width or max(n for *_, n in rows)
-        offsets = [width - n for *_, n in rows]
-        cols = torch.arange(width, device=self.device)
-        groups: dict[int, list[int]] = {}  # rows by source, so that each gather reads one batched cache
-        for i, row in enumerate(rows):
-            groups.setdefault(id(row[0]), []).append(i)
-        order = [i for members in groups.values() for i in members]
-        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        masks = []
-        for members in groups.values():
-            cache, mask = rows[members[0]][0], rows[members[0]][1]
-            src = torch.tensor([rows[i][2] for i in members], device=self.device).unsqueeze(1)
-            # Column c of row i holds the source row's sequence index c - offsets[i].
-            seq = cols.unsqueeze(0) - torch.tensor([offsets[i] for i in members], device=self.device).unsqueeze(1)
-            index = (seq + torch.tensor([rows[i][3] for i in members], device=self.device).unsqueeze(1)).clamp(min=0)
-            masks.append(mask[src, index] * (seq >= 0))
-            for li, layer in enumerate(cache.layers):
-                if holds_tensors(layer):  # [rows, heads, columns, dim] -> [members, heads, width, dim]
-                    parts.setdefault(li, []).append((layer.keys[src, :, index].transpose(1, 2),
-                                                     layer.values[src, :, index].transpose(1, 2)))
-        back = torch.tensor([order.index(i) for i in range(len(rows))], device=self.device)
-        out = self._new_cache()
-        for li, kv in parts.items():
-            out.update(torch.cat([k for k, _ in kv])[back], torch.cat([v for _, v in kv])[back], li)
-        return out, torch.cat(masks)[back], width, offsets
-
-    def start_tree(self, context_len: int, outcomes: list[Outcome], unfinished: list[Unfinished] = ()) -> TreeBatch:
-        """Rows for the outcomes of the round in flight: row r starts from the trunk's first L0 + k_r columns.
-
-        `unfinished` rows come after them: branches for outcomes of this round that a deeper level of the
-        previous job began; they go on from where they stopped.
-        """
+    def start_tree(self, context_len: int, outcomes: list[Outcome]) -> TreeBatch:
+        """Rows for the outcomes of the round in flight: row r starts from the trunk's first L0 + k_r columns (one
+        direct gather from the single-row trunk, on the critical path's clock)."""
         T = len(self.ids)
-        if unfinished:
-            trunk_mask = self.view.valid(T).unsqueeze(0)
-            rows = [(self.cache, trunk_mask, 0, 0, context_len + o.accepted) for o in outcomes]
-            for u in unfinished:
-                b = u.state.batch
-                rows.append((b.cache, b.mask, u.state.row, b.offsets[u.state.row], u.state.start + u.state.fed))
-            cache, mask, width, offsets = self._gather(rows)
-        else:  # the common case, on the critical path's clock: one direct gather from the single-row trunk
-            width, offsets = T, [T - context_len - o.accepted for o in outcomes]
-            shifted = torch.arange(T, device=self.device) - torch.tensor(offsets, device=self.device).unsqueeze(1)
-            index = shifted.clamp(min=0)
-            mask = self.view.valid(T)[index] * (shifted >= 0)
-            cache = self._new_cache()
-            for i, layer in enumerate(self.cache.layers):
-                if holds_tensors(layer):
-                    k, v = layer.keys[0], layer.values[0]  # [heads, T, dim]
-                    cache.update(k[:, index].transpose(0, 1), v[:, index].transpose(0, 1), i)
+        width, offsets = T, [T - context_len - o.accepted for o in outcomes]
+        shifted = torch.arange(T, device=self.device) - torch.tensor(offsets, device=self.device).unsqueeze(1)
+        index = shifted.clamp(min=0)
+        mask = self.view.valid(T)[index] * (shifted >= 0)
+        cache = self._new_cache()
+        for i, layer in enumerate(self.cache.layers):
+            if holds_tensors(layer):
+                k, v = layer.keys[0], layer.values[0]  # [heads, T, dim]
+                cache.update(k[:, index].transpose(0, 1), v[:, index].transpose(0, 1), i)
         ids, top = list(self.ids), dict(self.top)
         prefix = [ids[: context_len + o.accepted] for o in outcomes]
-        prefix += [u.state.batch.prefix[u.state.row] for u in unfinished]
-        tops = [top] * len(outcomes) + [u.state.batch.prefix_top[u.state.row] for u in unfinished]
-        return TreeBatch(cache, width, prefix, tops, offsets, mask, [None] * len(outcomes) + list(unfinished))
-
-    def fork_tree(self, children: list[tuple[BranchState, list[int], Outcome]]) -> TreeBatch:
-        """Rows for outcomes of the round after: child (parent, parent_tokens, (k, bonus)) assumes the parent's
-        branch is the next round's candidates and that its verification accepts k of them, then `bonus`.
-
-        The child's prefix is the parent's prefix, its bonus and its first k drafted tokens, all already in the
-        parent's row (k < parent.fed); those columns are gathered into a new batched cache.
-        """
-        cache, mask, width, offsets = self._gather(_child_sources(children))
-        prefix, tops = _child_prefixes(children)
-        return TreeBatch(cache, width, prefix, tops, offsets, mask, [None] * len(children))
+        return TreeBatch(cache, width, prefix, [top] * len(outcomes), offsets, mask)
 
     def tree_steps(
         self,
@@ -402,18 +310,13 @@ class Drafter:
         fanout: list[int],
         should_stop: Callable[[], bool],
         on_step: Callable[[int], None] | None = None,
-        grow: Callable[[list[BranchState], list[DraftResult]], list[tuple[int, Outcome]]] | None = None,
         last: tuple[int, Callable[[TopProbs, int | None], tuple[float, list[Outcome]]]] | None = None,
     ) -> list[tuple[BranchState, DraftResult]]:
         """Draft up to gamma tokens for every outcome, one batched forward per token, stopping early on request.
 
         A last step feeds the gamma-th token too: it costs nothing on the critical path and gives the draft's
         distribution after the branch, which the next round's outcome prediction needs. Rows that are done
-        before the others (unfinished rows started ahead) feed a filler token their state never reads.
-
-        `grow`, called after every step, may return children (parent row, (k, bonus)) to add to the batch at
-        once: rows for the round after, under a parent whose first k tokens and distribution at k exist
-        already, so that they draft in the same forwards as their parents (returned after the first rows).
+        before the others (the `last` rows left without an outcome) feed a filler token their state never reads.
 
         `last` = (r, extra, n): rows r .. r + n - 1 are the outcome (g - 1, c_g), g candidates with c_g the last:
         their prefix is the trunk and their first feed c_g, whose distribution predicts the bonus of outcome
@@ -422,25 +325,11 @@ class Drafter:
         outcomes (g, bonus)), which the other n - 1 rows take, feeding their bonus from the next step on (a row
         left without one drafts nothing).
         """
-        states, results, rows, contexts, pos = [], [], [], [], []
-
-        def add(r: int, o: Outcome, u: Unfinished | None) -> None:
-            state = BranchState(tree, r, o)
-            result = DraftResult([], None)
-            if u is not None:  # goes on from the earlier state: its top lists, fed tokens and last drafted token
-                state.top, state.fed = dict(u.state.top), u.state.fed
-                result.tokens = list(u.tokens)
-                rows.append(list(u.logits) if u.logits is not None else [])
-            else:
-                rows.append([])
-            states.append(state)
-            results.append(result)
-            contexts.append(tree.prefix[r] + [o.bonus] + result.tokens)
-            pos.append(len(tree.prefix[r]) + state.fed)  # sequence index of the row's next feed
-
-        pre = tree.pre or [None] * len(outcomes)
-        for r, o in enumerate(outcomes):
-            add(r, o, pre[r])
+        states = [BranchState(tree, r, o) for r, o in enumerate(outcomes)]
+        results = [DraftResult([], None) for _ in outcomes]
+        rows: list[list] = [[] for _ in outcomes]  # sampling: each drafted token's log-probabilities
+        contexts = [tree.prefix[r] + [o.bonus] for r, o in enumerate(outcomes)]
+        pos = [len(tree.prefix[r]) for r in range(len(outcomes))]  # sequence index of each row's next feed
         while not should_stop() and any(st.fed < gamma + 1 for st in states):
             b = len(states)
             tree.mask = torch.cat([tree.mask, tree.mask.new_ones(b, 1)], dim=1)
@@ -475,32 +364,10 @@ class Drafter:
                 last = None
             if on_step is not None:
                 on_step(len(tree.mask[0]) - tree.width - 1)
-            children = grow(states, results) if grow is not None else []
-            if children:
-                first = len(states)
-                self._append_rows(tree, [(states[p], results[p].tokens, o) for p, o in children])
-                for i, (_, o) in enumerate(children):
-                    add(first + i, o, None)  # its first feed: its bonus, right after its prefix
         for r in range(len(states)):
             if rows[r]:
                 results[r].logits = torch.stack(rows[r])
         return list(zip(states, results))
-
-    def _append_rows(self, tree: TreeBatch, children: list[tuple[BranchState, list[int], Outcome]],
-                     prefixes=None) -> None:
-        """Add rows for children of rows of `tree` to it, aligned with its columns so far. `prefixes`: their
-        (prefix, prefix_top) lists when the caller has them (default: built from the parents)."""
-        cache, mask, _, offsets = self._gather(_child_sources(children), tree.mask.shape[1])
-        for layer, new in zip(tree.cache.layers, cache.layers):
-            if holds_tensors(layer):
-                layer.keys = torch.cat([layer.keys, new.keys])
-                layer.values = torch.cat([layer.values, new.values])
-        tree.mask = torch.cat([tree.mask, mask])
-        tree.offsets += offsets
-        prefix, tops = prefixes if prefixes is not None else _child_prefixes(children)
-        tree.prefix += prefix
-        tree.prefix_top += tops
-        tree.pre += [None] * len(children)
 
     def _rebase_last(self, tree: TreeBatch, last, states, results, rows, contexts) -> None:
         """After the first step: the `last` rows have fed c_g; the first becomes the branch of (g, its first

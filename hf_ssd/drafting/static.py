@@ -282,7 +282,6 @@ class StaticDrafter(Drafter):
                 self.release()
                 raise
 
-    supports_depth = False  # its tree buffers hold one round's rows: pipeline depth 1
     defers_record = False  # its tree is one fixed-shape batch: the record stays a forward of its own
 
     @property
@@ -436,9 +435,7 @@ class StaticDrafter(Drafter):
 
     # ----- batched pre-drafting -----------------------------------------------------------------------------
     @torch.no_grad()
-    def start_tree(self, context_len: int, outcomes: list[Outcome], unfinished=()) -> StaticTree:
-        if unfinished:  # the generator never asks (supports_depth): a caller that does must hear it
-            raise ValueError("the static draft path pre-drafts one round: it has no unfinished rows to resume")
+    def start_tree(self, context_len: int, outcomes: list[Outcome]) -> StaticTree:
         b, tr = len(outcomes), self.trunk
         t, step = self.state.tree_for(b)
         T = len(self.ids)
@@ -456,9 +453,9 @@ class StaticDrafter(Drafter):
 
     @torch.no_grad()
     def tree_steps(self, tree: StaticTree, outcomes: list[Outcome], gamma: int, fanout: list[int], should_stop,
-                   on_step=None, grow=None, last=None) -> list[tuple[BranchState, DraftResult]]:
-        if grow is not None or last is not None:  # see supports_depth and defers_record
-            raise ValueError("the static draft path's tree has a fixed shape: it grows no rows and defers no record")
+                   on_step=None, last=None) -> list[tuple[BranchState, DraftResult]]:
+        if last is not None:  # see defers_record
+            raise ValueError("the static draft path's tree has a fixed shape: it defers no record")
         b, t = len(outcomes), tree.rows
         L0, T = tree.context_len, tree.trunk_len
         self._check_len(T + gamma + 1)

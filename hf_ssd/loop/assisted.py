@@ -24,14 +24,12 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..config import SSDConfig
-from ..drafting.drafter import Unfinished
 from ..drafting.fallback import run_fallback
 from ..drafting.probe import step_seconds
 from ..drafting.static import make_drafter
 from ..scheduling.costs import CostModel
 from ..scheduling.schedule import CATCH_UP_LAG, LATE_GRACE, Option, Scheduler, allowed_options
 from ..speculation.cache import Branch, SpeculationCache
-from ..speculation.depth import Parent, deeper_children, grown_children
 from ..speculation.fanout import fanout_split
 from ..speculation.outcomes import (
     Outcome,
@@ -105,9 +103,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         rows = min(config.max_outcomes or widest, config.cache_size, widest)
         self.drafter = make_drafter(draft_model, config, logits_processor, do_sample, top_k, gen, out_vocab,
                                     self.max_length, max(1, rows), prompt_mask, longest)
-        self.cache = SpeculationCache(config.cache_size, config.eviction)
-        # Inline, a job runs to its end on the critical path, so deeper levels would only add to it.
-        self.depth = config.pipeline_depth if layout != "inline" and self.drafter.supports_depth else 1
+        self.cache = SpeculationCache(config.cache_size)
         self.speculator = Speculator(layout, cpu_threads, draft_model.device)
         # `costs(top_k)` returns the estimates kept for this pair; without it they last one call.
         self.costs = costs(top_k) if costs is not None else CostModel(on_gpu, top_k, config.initial_acceptance)
@@ -119,7 +115,7 @@ class SSDCandidateGenerator(CandidateGenerator):
         self.calibration = (calibration_for(draft_model, do_sample, config.initial_acceptance)
                             if config.fanout == "calibrated" else None)
         self.scheduler = Scheduler(config, self.costs, self.options, default, inline=layout == "inline",
-                                   deferred_record=self.depth == 1 and self.drafter.defers_record,
+                                   deferred_record=self.drafter.defers_record,
                                    every_family=bool(self.hooks.get("every_family")),
                                    warmup_budget=config.warmup_budget if config.schedule == "auto" else None)
         self.stats = SSDStats(layout=layout, schedule=config.schedule, draft_path=self.drafter.path)
@@ -195,8 +191,6 @@ class SSDCandidateGenerator(CandidateGenerator):
                     branch = self.cache.get(self.round, k, bonus)
                     if n > 0:
                         self.stats.add_lookup(predicted, branch is not None and bool(branch.tokens))
-                        if branch is not None and branch.tokens:  # the branches under it: next round's entries
-                            self.stats.promoted += self.cache.promote(self.round, k, bonus)
         alpha = self.costs.acceptance  # the pair's one acceptance estimate (costs.py), as the scheduler's
         event = {"round": self.round + 1, "t_request": now, "option": option.name}
         draft_seconds = 0.0
@@ -209,7 +203,6 @@ class SSDCandidateGenerator(CandidateGenerator):
                 self.drafter.adopt(branch.state, tokens)
             self.stats.cache_hits += 1
             self.stats.partial_hits += int(len(branch.tokens) < gamma)
-            self.stats.hits_by_depth[branch.depth] = self.stats.hits_by_depth.get(branch.depth, 0) + 1
             self.costs.add_lookup(job_budget, True, self._job_predicted)
             event["hit"] = True
         else:
@@ -364,14 +357,6 @@ class SSDCandidateGenerator(CandidateGenerator):
     def _insert(self, branch: Branch) -> None:
         self.cache.put(branch)
         self.stats.branches_drafted += 1
-        self.stats.branches_by_depth[branch.depth] = self.stats.branches_by_depth.get(branch.depth, 0) + 1
-
-    def _allowed(self, start: int, k: int, bonus: int) -> bool:
-        """Whether an outcome of the round after (bonus at sequence index start + 1 + k) is worth a branch."""
-        return bonus not in self.eos and start + k + 3 < self.max_length
-
-    def _p_accept(self, alpha: float):
-        return self.calibration.p_accept if self.calibration is not None else (lambda q: alpha)
 
     def _last_row(self, candidates: list[int], tops, alpha: float, share: int, info: dict, prior: list[float]):
         """The row feeding the last candidate (`Drafter.tree_steps(last=...)`) and, once it has, the `share`
@@ -421,7 +406,7 @@ class SSDCandidateGenerator(CandidateGenerator):
             # outcomes k < g, known now, get that step too (docs/scheduling.md, "the last candidate").
             # Inline, a job runs to its end anyway: there it would only trade the exact k = g distribution for
             # a guessed share.
-            deferred = (self.depth == 1 and not self.scheduler.inline and self.drafter.defers_record
+            deferred = (not self.scheduler.inline and self.drafter.defers_record
                         and self.drafter.holds_but_last(context, candidates))
             if deferred:
                 tops = [self.drafter.top[len(context) - 1 + j] for j in range(g)] + [None]
@@ -432,15 +417,9 @@ class SSDCandidateGenerator(CandidateGenerator):
             # Deferred, the budget is split as if the draft's distribution after the last candidate had the shape
             # of the one before it; its real top tokens fill the k = g share after the first step.
             ranked = tops[:g] + [placeholder_top(tops[g - 1])] if deferred else tops
-            # Branches a deeper level of the previous job drafted for this round (promoted on its hit) are extra:
-            # the budget goes to the likeliest outcomes not held yet.
-            extra = self.cache.held(round_id)
             if self.calibration is not None:  # ranked overall by P(k) * P(bonus | k), not split per k first
                 pk = hedged_length_probs(self.calibration, drafted_probs(candidates, ranked), prior)
-                outcomes = rank_outcomes(candidates, ranked, pk, min(budget, limit) + extra)
-            elif extra:
-                outcomes = predict_outcomes(candidates, ranked, self._fanout(budget + extra, g, alpha), alpha,
-                                            limit + extra)
+                outcomes = rank_outcomes(candidates, ranked, pk, min(budget, limit))
             else:
                 outcomes = predict_outcomes(candidates, ranked, fanout, alpha, limit)
             # Outcomes that end the generation (EOS bonus, length budget spent) need no next round.
@@ -460,103 +439,41 @@ class SSDCandidateGenerator(CandidateGenerator):
                 if share:
                     last = self._last_row(candidates, tops, alpha, share, info, prior)
             self.stats.outcomes_predicted += len(outcomes) + (last.share if last else 0)
-            # Outcomes a deeper level of an earlier job already drafted in full (promoted on its hit) stay as
-            # they are; they take this job's estimate of their probability.
-            held, todo, unfinished = [], [], []
-            for o in outcomes:
-                branch = self.cache.peek(round_id, o.accepted, o.bonus)
-                if branch is not None and len(branch.tokens) >= gamma:
-                    branch.prob = o.prob
-                    held.append(Parent(branch.state, branch.tokens, o.prob, (o.accepted, o.bonus), branch.rest))
-                elif branch is not None and branch.tokens and branch.state.fed <= len(branch.tokens):
-                    # Begun by a deeper level and cut short by the outcome's arrival: it goes on from there.
-                    unfinished.append((o, Unfinished(branch.state, branch.tokens, branch.logits)))
-                elif len(todo) < min(budget, limit):
-                    todo.append(o)
+            rows = outcomes[: min(budget, limit)]
             if last is not None:
-                todo += [last.outcome] * last.share
-            if not outcomes and last is None:
+                rows += [last.outcome] * last.share
+            if not rows:
                 return
             steps, stamp = [], [time.perf_counter()]
 
             def on_step(j):  # the job's own step timings, read by the caller after collect
                 t = time.perf_counter()
-                steps.append((width[0], t - stamp[0]))
+                steps.append((len(rows), t - stamp[0]))
                 stamp[0] = t
-                if hasattr(tree, "prefix"):  # grown children (pipeline_depth > 1) count from the next step
-                    width[0] = len(tree.prefix)  # (the static path's tree never grows)
 
-            rows = todo + [o for o, _ in unfinished]
-            width = [len(rows)]
-            level = list(held)
-            if rows:
-                # 2. Tree drafting: one batched draft forward per step for all branches, until the outcome arrives.
-                self._hook("draft")
-                tree = self.drafter.start_tree(len(context), todo, [u for _, u in unfinished])
+            # 2. Tree drafting: one batched draft forward per step for all branches, until the outcome arrives.
+            self._hook("draft")
+            tree = self.drafter.start_tree(len(context), rows)
 
-                def stop():
-                    if should_stop():
-                        return True
-                    if deadline is None or step_s is None or not steps:
-                        return False
-                    over = time.perf_counter() + step_s - deadline  # how far the next step would end past it
-                    # The optional last step only if it ends in time; any other only if it ends within half a
-                    # step of the expected outcome: the caller would wait for the rest (a step cannot be cut),
-                    # and a token more in every branch is worth less than most of a step's wait.
-                    return over > 0 if len(steps) >= gamma else over > LATE_GRACE * step_s
-
-                grown: list[tuple[float, int, Outcome]] = []  # children added to the batch: (chain prob, parent row, outcome)
-                grow = None
-                if self.depth > 1:
-                    def grow(states, results):
-                        new = grown_children(states[: len(rows)], results, rows, len(grown), gamma,
-                                             self._p_accept(alpha), min(budget, limit), self._allowed)
-                        grown.extend(new)
-                        return [(r, o) for _, r, o in new]
-
-                tail = (len(todo) - last.share, last.extra, last.share) if last is not None else None
-                drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step, grow=grow, last=tail)
-                # 3. Cache insert.
-                self._hook("insert")
-                own = len(rows)
-                for r, (state, result) in enumerate(drafted[:own]):
-                    if result.tokens:
-                        o = state.outcome
-                        depth = 2 if len(todo) <= r < len(rows) else 1  # unfinished rows were begun a round ahead
-                        self._insert(Branch(round_id, o.accepted, o.bonus, o.prob, result.tokens, result.logits, state,
-                                            depth=depth))
-                        level.append(Parent(state, result.tokens, o.prob, (o.accepted, o.bonus), ()))
-                for (prob, p, o), (state, result) in zip(grown, drafted[own:]):
-                    if result.tokens:
-                        head = (rows[p].accepted, rows[p].bonus)
-                        self._insert(Branch(round_id, *head, prob, result.tokens, result.logits, state,
-                                            ((o.accepted, o.bonus, o.prob),)))
-            # 4. Deeper levels while the outcome has not arrived: the round after, under the likeliest branches.
-            # A step that would still run when the outcome is expected is not started: the caller would wait for
-            # it, and a deeper branch is worth less than the round it would delay.
-            def deeper_stop():
+            def stop():
                 if should_stop():
                     return True
-                return deadline is not None and step_s is not None and time.perf_counter() + step_s > deadline
+                if deadline is None or step_s is None or not steps:
+                    return False
+                over = time.perf_counter() + step_s - deadline  # how far the next step would end past it
+                # The optional last step only if it ends in time; any other only if it ends within half a step of
+                # the expected outcome: the caller would wait for the rest (a step cannot be cut), and a token
+                # more in every branch is worth less than most of a step's wait.
+                return over > 0 if len(steps) >= gamma else over > LATE_GRACE * step_s
 
-            for _ in range(1, self.depth):
-                if should_stop():
-                    break
-                children = deeper_children(level, self.calibration, alpha, min(budget, limit), self._allowed,
-                                           lambda chain: self.cache.has((round_id,) + chain))
-                self.stats.outcomes_predicted += len(children)
-                if not children:
-                    break
-                width[0], stamp[0] = len(children), time.perf_counter()
-                tree = self.drafter.fork_tree([(p.state, p.tokens, o) for _, p, o in children])
-                drafted = self.drafter.tree_steps(tree, [o for _, _, o in children], gamma, next_fanout,
-                                                  deeper_stop, on_step)
-                level = []
-                for (prob, parent, o), (state, result) in zip(children, drafted):
-                    if result.tokens:
-                        rest = parent.rest + ((o.accepted, o.bonus, o.prob),)
-                        self._insert(Branch(round_id, *parent.head, prob, result.tokens, result.logits, state, rest))
-                        level.append(Parent(state, result.tokens, prob, parent.head, rest))
+            tail = (len(rows) - last.share, last.extra, last.share) if last is not None else None
+            drafted = self.drafter.tree_steps(tree, rows, gamma, next_fanout, stop, on_step, last=tail)
+            # 3. Cache insert.
+            self._hook("insert")
+            for state, result in drafted:
+                if result.tokens:
+                    o = state.outcome
+                    self._insert(Branch(round_id, o.accepted, o.bonus, o.prob, result.tokens, result.logits, state))
             info["steps"] = steps
 
         self.speculator.submit(job)
@@ -570,9 +487,6 @@ class SSDCandidateGenerator(CandidateGenerator):
         if self._current is not None and self.stats.rounds >= self.round:  # the last round: now verified
             self.stats.add_round(self._current[0].name, time.perf_counter() - self._round_start, *self._current[1:])
             self._current = None
-        self.stats.evictions = self.cache.evictions
-        self.stats.evictions_by_depth = dict(self.cache.evicted_by_depth)
-        self.stats.pipeline_depth = self.depth
         self.stats.draft_forwards = self.drafter.forwards
         budgets = sorted({o.budget for o in self.options if o.kind == "ssd"})
         self.stats.cost_model = self.costs.snapshot(self.scheduler.default.gamma, budgets)
