@@ -1186,8 +1186,10 @@ def test_plain_decoding_is_not_chosen_where_drafting_pays():
     target = hf_ssd.enable(make_model(0, attn="sdpa"))
     target.generation_config.eos_token_id = None
     draft = noisy_copy(target, 0.002)
-    simulate_device(target, DeviceCost(base_s=0.02))
-    simulate_device(draft, DeviceCost(base_s=0.002))
+    # Simulated times well above the tiny models' real compute on a busy machine: at 20 and 2 ms, with both cores
+    # busy, the draft's steps overran theirs and later calls chose plain decoding (2 runs of 3; 0 of 4 at these).
+    simulate_device(target, DeviceCost(base_s=0.05))
+    simulate_device(draft, DeviceCost(base_s=0.005))
     paths = []
     for seed in range(5):
         stats = run(target, draft, 4, seed)
