@@ -1,6 +1,6 @@
 """The outcome model: how likely each result (k accepted, bonus token) of the verification in flight is.
 
-One law serves every fan-out (geometric and calibrated, one prompt and batches, every pipeline depth):
+One law serves every fan-out (geometric and calibrated, one prompt and batches):
 
     P(k, bonus) = P(k) * P(bonus | k)
 
@@ -33,7 +33,7 @@ class Outcome:
 
     accepted: int
     bonus: int
-    prob: float = 0.0  # the speculator's estimate, used for truncation and probability eviction
+    prob: float = 0.0  # the speculator's estimate: truncation, the cache's hit mass and its capacity rule
 
 
 def length_probs(p_accept: Sequence[float]) -> list[float]:
