@@ -175,11 +175,15 @@ class SSDStats:
         setup = ""
         if self.setup_time >= max(0.5, 0.05 * self.wall_time):  # worth saying: a first call's probe, mostly
             setup = f", {self.setup_time:.2f}s of it set-up before decoding"
+        # A call that never drafted (a warm-up, plain batched decoding) has no rates to show: 0% would read as a
+        # draft that failed.
+        acceptance = (f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round)"
+                      if self.proposed_tokens else "acceptance n/a (nothing drafted)")
+        hits = (f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted "
+                f"{self.predicted_hit_rate:.1%})" if self.lookups else "hit rate n/a (no cache lookups)")
         return (
             f"{self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_second:.2f} tok/s{setup}) | "
-            f"acceptance {self.acceptance_rate:.1%} (mean {self.mean_accepted_length:.2f}/round) | "
-            f"hit rate {self.hit_rate:.1%} ({self.cache_hits}/{self.lookups}, predicted {self.predicted_hit_rate:.1%}) | "
-            f"bubble ratio {self.bubble_ratio:.1%} | "
+            f"{acceptance} | {hits} | bubble ratio {self.bubble_ratio:.1%} | "
             f"{self.schedule_summary()}{self._profile_summary()}{self._warmup_summary()}"
         )
 

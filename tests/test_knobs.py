@@ -146,3 +146,23 @@ def test_wall_time_counts_the_first_calls_set_up(monkeypatch):
     assert caller - 0.05 <= stats.wall_time <= caller
     assert "set-up before decoding" in stats.summary()
     assert stats.tokens_per_second == pytest.approx(stats.new_tokens / stats.wall_time)
+
+
+def test_a_call_that_never_drafted_shows_no_rates_it_did_not_measure(target, draft):
+    """The summary's acceptance and hit rate say "n/a" where nothing was drafted or looked up (a new pair's
+    warm-up runs the target alone: 0% there read as a draft that failed), and percentages once they exist."""
+    config = SSDConfig(warmup_budget=0.03, **QUIET)  # the default warm-up (conftest turns it off): a new pair's
+    # short call runs the target alone
+    fresh = hf_ssd.enable(make_model(0))
+    fresh.generate(PROMPT, assistant_model=noisy_copy(fresh, 0.01), do_sample=False, max_new_tokens=8,
+                   ssd_config=config)
+    stats = hf_ssd.last_stats(fresh)
+    assert stats.proposed_tokens == 0 and stats.lookups == 0, stats.summary()
+    assert "acceptance n/a (nothing drafted)" in stats.summary() and "hit rate n/a (no cache lookups)" in stats.summary()
+    target.generate(PROMPT, assistant_model=draft, do_sample=False, max_new_tokens=16,
+                    ssd_config=SSDConfig(schedule="fixed", gamma=3, **QUIET))
+    stats = hf_ssd.last_stats(target)
+    assert stats.proposed_tokens > 0 and stats.lookups > 0
+    summary = stats.summary()
+    assert f"acceptance {stats.acceptance_rate:.1%}" in summary and f"hit rate {stats.hit_rate:.1%}" in summary
+    assert "n/a" not in summary
