@@ -141,9 +141,9 @@ def _ssd_generate(model, config: SSDConfig, args, kwargs):
     rows = _batch_size(args, kwargs)
     # Every batch size runs hf_ssd's loop (loop/batch.py), one prompt included. One prompt runs transformers'
     # assisted loop with hf_ssd's candidate generator (loop/assisted.py) only for what the loop lacks: the
-    # one-prompt settings (`_one_prompt_config`: the static draft, CUDA graphs), the
-    # static draft a CUDA draft gets by default (graphs: `_static_draft`), and a prompt ending in a masked column
-    # (`_right_padded`). The `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
+    # one-prompt settings (`_one_prompt_config`: the static draft, CUDA graphs), the static draft a CUDA draft
+    # gets by default (graphs: `_static_draft`), and a prompt ending in a masked column (`_right_padded`). The
+    # `loop` hook picks a path ("batch" or "assisted"; tests, benchmarks).
     route = (hooks or {}).get("loop")
     batch_path = rows > 1 or route == "batch" or (route != "assisted" and not _one_prompt_config(config)
                                                   and not _static_draft(config, draft)
@@ -360,8 +360,8 @@ def _validate_call(model, draft, args, kwargs, batch_path: bool) -> None:
         )
 
 
-# SSDConfig fields that only single-prompt calls use (the speculation cache, deeper pipelines, the static
-# draft path, ...), with their defaults: a batch refuses other values rather than ignore them.
+# SSDConfig fields that only single-prompt calls use (the static draft path and its CUDA graphs), with their
+# defaults: a batch refuses other values rather than ignore them.
 _ONE_PROMPT_ONLY = {"static_draft": None, "cuda_graphs": None}
 
 

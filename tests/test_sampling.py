@@ -119,6 +119,9 @@ def marginal(joint: dict, positions: tuple[int, ...]) -> dict:
 CASES = {
     "plain": dict(gamma=2),
     "plain_thread": dict(gamma=2, layout="thread", fanout_budget=2),  # overlapped: timing decides hits
+    # One prompt through transformers' assisted loop and hf_ssd's candidate generator (what static_draft=False, a
+    # one-prompt setting, routes to; a prompt ending in a masked column takes it too), its dynamic drafter.
+    "one_prompt_path": dict(gamma=2, layout="thread", fanout_budget=2, static_draft=False),
     "saguaro": dict(gamma=2, saguaro_c=0.5),
     "saguaro0": dict(gamma=3, saguaro_c=0.0, fanout_budget=4),
     "calibrated": dict(gamma=3, fanout="calibrated", fanout_budget=3),
@@ -130,8 +133,8 @@ CASES = {
 }
 
 
-# Default suite: plain (inline), plain_thread (a job beside the verify), calibrated_saguaro and fallback_ngram; the
-# batched sampling tests run Saguaro, the n-gram fallback and SD per row through the same loop.
+# Default suite: plain (inline), plain_thread (a job beside the verify), one_prompt_path, calibrated_saguaro and
+# fallback_ngram; the batched sampling tests run Saguaro, the n-gram fallback and SD per row through the same loop.
 @pytest.mark.parametrize("case", slow_cases(CASES, ["saguaro", "saguaro0", "calibrated", "fallback_sd",
                                                      "fallback_short", "fallback_ar"]))
 def test_sampling_matches_target_distribution(pair, case):
@@ -151,6 +154,7 @@ def test_sampling_matches_target_distribution(pair, case):
             out = target.generate(ids, max_new_tokens=L, assistant_model=draft, ssd_config=config, **GEN)
             samples.append(tuple(out[0, len(PROMPT) :].tolist()))
             stats = hf_ssd.last_stats(target)
+            assert (stats.draft_path == "dynamic") == (config.static_draft is False), stats.draft_path
             hits, misses = hits + stats.cache_hits, misses + stats.cache_misses
     finally:
         if slow:

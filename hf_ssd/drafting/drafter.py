@@ -5,8 +5,8 @@ one batch: row r holds the keys/values of its prefix (for the round in flight: c
 accepts), right-aligned behind masked filler columns, so a 2D padding mask hides what a branch assumes rejected
 and one draft forward per step serves every branch. Left padding is what every decoder-only model supports: the
 model builds its own causal, sliding-window or ALiBi attention from the 2D mask and the position ids, exactly as
-for a padded batch, so no 4D mask is needed (ALiBi models take none). Adopting a branch after a hit slices its valid columns back into a single-row cache, so the next round starts
-where it left off.
+for a padded batch, so no 4D mask is needed (ALiBi models take none). Adopting a branch after a hit slices its
+valid columns back into a single-row cache, so the next round starts where it left off.
 """
 
 from __future__ import annotations
